@@ -1,0 +1,283 @@
+"""Plan shard and replicate groups from a cluster view: a pure function, no process group.
+
+[Note: the hybrid grid]
+Ranks are split into *fast domains* (a node, an NVLink island or fabric clique, a NUMA node). Each
+domain is cut into shard groups of ``shard_size`` ranks; every shard group lies inside one domain, so
+the heavy all-gathers and reduce-scatters stay on fast links. Replicate group ``i`` holds the ``i``-th
+member of every shard group, so the gradient all-reduce of shard ``i`` crosses domains once per rank.
+The plan is an ``R x S`` grid: ``mesh()[r][s]`` is the ``s``-th member of shard group ``r``, row ``r``
+is a shard group and column ``s`` a replicate group.
+
+[Note: canonical order]
+Domains are ordered by their lowest global rank, ranks inside a domain by node order and then local
+rank. Every rank computes the same plan from the same view, whatever order the launcher handed out
+global ranks in (torchrun's blocks, SLURM ``cyclic``, a custom launcher), and group position ``s`` is
+the same local position on every node, so replicate groups pair like with like.
+
+[Note: choosing the shard size]
+Without ``shard_size`` the plan takes the largest size that tiles every domain (the gcd of the
+domain sizes): 8 on uniform 8-GPU nodes, 4 for a mix of 8- and 4-GPU nodes. When only 1 would tile
+(e.g. nodes of 3 and 2 ranks) the plan refuses rather than silently dropping to pure replication;
+``shard_size=1`` asked for explicitly is honoured, and still replicates across every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from topology.records import ClusterNode, ClusterView, RankEntry
+
+__all__ = ["DOMAINS", "Domain", "GroupPlan", "find_domains", "format_plan", "plan_groups"]
+
+DOMAINS = ("node", "nvlink", "numa")
+
+
+@dataclass(frozen=True)
+class Domain:
+    """A set of ranks joined by fast links, in canonical order."""
+
+    key: str
+    ranks: tuple[int, ...]
+    hosts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Who shards with whom and who replicates with whom; see [Note: the hybrid grid]."""
+
+    world_size: int
+    shard_size: int
+    replicate_size: int
+    domain: str
+    shard_groups: tuple[tuple[int, ...], ...]
+    replicate_groups: tuple[tuple[int, ...], ...]
+    shard_group_domains: tuple[str, ...]
+    """The domain key of each shard group (``"node0"``, ``"node0/nvlink1"``, ``"fabric:<uuid>/<clique>"``)."""
+    notes: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def _coords(self) -> dict[int, tuple[int, int]]:
+        return {rank: (r, s) for r, group in enumerate(self.shard_groups) for s, rank in enumerate(group)}
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """``(replicate_index, shard_index)``: the row (shard group) and column (replicate group) of ``rank``."""
+        try:
+            return self._coords[rank]
+        except KeyError:
+            raise ValueError(f"rank {rank} is not in this plan (world size {self.world_size})") from None
+
+    def shard_group_of(self, rank: int) -> tuple[int, ...]:
+        return self.shard_groups[self.coords(rank)[0]]
+
+    def replicate_group_of(self, rank: int) -> tuple[int, ...]:
+        return self.replicate_groups[self.coords(rank)[1]]
+
+    def mesh(self) -> list[list[int]]:
+        """The ``R x S`` rank grid: rows are shard groups, columns replicate groups."""
+        return [list(g) for g in self.shard_groups]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "shard_size": self.shard_size,
+            "replicate_size": self.replicate_size,
+            "domain": self.domain,
+            "shard_groups": [list(g) for g in self.shard_groups],
+            "replicate_groups": [list(g) for g in self.replicate_groups],
+            "shard_group_domains": list(self.shard_group_domains),
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "GroupPlan":
+        return cls(
+            world_size=int(d["world_size"]),
+            shard_size=int(d["shard_size"]),
+            replicate_size=int(d["replicate_size"]),
+            domain=d["domain"],
+            shard_groups=tuple(tuple(g) for g in d["shard_groups"]),
+            replicate_groups=tuple(tuple(g) for g in d["replicate_groups"]),
+            shard_group_domains=tuple(d["shard_group_domains"]),
+            notes=tuple(d.get("notes", ())),
+        )
+
+
+def _node_domains(cluster: ClusterView) -> list[Domain]:
+    return [Domain(n.name, n.global_ranks, (n.name,)) for n in cluster.nodes]
+
+
+def _gpu_of(node: ClusterNode, entry: RankEntry, domain: str):
+    gpu = node.probe.gpu_by_uuid(entry.gpu_uuid) if entry.gpu_uuid else None
+    if gpu is None:
+        raise ValueError(
+            f"domain={domain!r} needs the GPU of every rank; rank {entry.rank} on host {node.name!r} "
+            f"has {'no GPU' if not entry.gpu_uuid else f'GPU {entry.gpu_uuid} not found in the node probe'}. "
+            "Use domain='node' on machines without GPUs."
+        )
+    return gpu
+
+
+def _nvlink_islands(node: ClusterNode) -> dict[int, int]:
+    """Map each GPU index of ``node`` to the smallest GPU index of its NVLink island."""
+    gpus = node.probe.gpus
+    parent = {g.index: g.index for g in gpus}
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def union(a: int, b: int) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+
+    matrix = node.probe.gpu_matrix
+    for i, gi in enumerate(gpus):
+        for peer in gi.nvlink_peers:
+            if peer in parent:
+                union(gi.index, peer)
+        if i < len(matrix):
+            for j, code in enumerate(matrix[i]):
+                if code.startswith("NV") and j < len(gpus):
+                    union(gi.index, gpus[j].index)
+    return {i: find(i) for i in parent}
+
+
+def _nvlink_domains(cluster: ClusterView) -> list[Domain]:
+    # [Note: fabric cliques] GPUs of a multi-node NVLink rack report the fabric's cluster UUID and a
+    # clique id; GPUs of one clique talk over NVLink across hosts, so the clique is the domain.
+    members: dict[str, list[tuple[int, int, int]]] = {}
+    hosts: dict[str, list[str]] = {}
+    for node_pos, node in enumerate(cluster.nodes):
+        islands = None
+        for e in node.ranks:
+            gpu = _gpu_of(node, e, "nvlink")
+            if gpu.fabric_cluster_uuid and gpu.fabric_clique_id is not None:
+                key = f"fabric:{gpu.fabric_cluster_uuid}/{gpu.fabric_clique_id}"
+            else:
+                islands = islands if islands is not None else _nvlink_islands(node)
+                key = f"{node.name}/nvlink{islands[gpu.index]}"
+            members.setdefault(key, []).append((node_pos, e.local_rank, e.rank))
+            if node.name not in hosts.setdefault(key, []):
+                hosts[key].append(node.name)
+    return [Domain(k, tuple(r for _, _, r in sorted(v)), tuple(hosts[k])) for k, v in members.items()]
+
+
+def _numa_domains(cluster: ClusterView) -> list[Domain]:
+    out: list[Domain] = []
+    for node in cluster.nodes:
+        by_numa: dict[int, list[int]] = {}
+        for e in node.ranks:
+            if e.gpu_uuid:
+                numa = _gpu_of(node, e, "numa").numa_node
+            else:
+                affinity = set(e.cpu_affinity)
+                numa = next((n.id for n in node.probe.numa_nodes if affinity and affinity <= set(n.cpus)), None)
+            if numa is None:
+                raise ValueError(
+                    f"domain='numa' needs each rank's NUMA node; rank {e.rank} on host {node.name!r} has "
+                    "neither a GPU with a known NUMA node nor a CPU affinity inside one NUMA node. "
+                    "Launch with `hybridshard launch --bind-numa` or use domain='node'."
+                )
+            by_numa.setdefault(numa, []).append(e.rank)
+        out += [Domain(f"{node.name}/numa{k}", tuple(v), (node.name,)) for k, v in sorted(by_numa.items())]
+    return out
+
+
+def find_domains(cluster: ClusterView, domain: str = "node") -> list[Domain]:
+    """The fast domains of ``cluster``, ordered by their lowest global rank."""
+    finders = {"node": _node_domains, "nvlink": _nvlink_domains, "numa": _numa_domains}
+    if domain not in finders:
+        raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
+    domains = finders[domain](cluster)
+    domains.sort(key=lambda d: min(d.ranks))
+    return domains
+
+
+def _describe(domains: list[Domain], limit: int = 8) -> str:
+    text = ", ".join(f"{d.key}: {len(d.ranks)}" for d in domains[:limit])
+    return text + (f", ... ({len(domains)} domains)" if len(domains) > limit else "")
+
+
+def _choose_shard_size(domains: list[Domain], shard_size: int | None, domain: str) -> tuple[int, list[str]]:
+    sizes = [len(d.ranks) for d in domains]
+    common = functools.reduce(math.gcd, sizes)
+    divisors = [k for k in range(1, common + 1) if common % k == 0]
+    if shard_size is not None:
+        if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+            raise ValueError(f"shard_size must be a positive integer, got {shard_size!r}")
+        bad = [d for d in domains if len(d.ranks) % shard_size]
+        if bad:
+            raise ValueError(
+                f"shard_size={shard_size} does not tile every {domain} domain: ranks per domain are "
+                f"{_describe(bad)}; each shard group must lie inside one domain. "
+                f"Use one of {divisors} or leave shard_size unset."
+            )
+        return shard_size, []
+    if common == 1 and max(sizes) > 1:
+        raise ValueError(
+            f"no shard size above 1 tiles every {domain} domain (ranks per domain: {_describe(domains)}). "
+            "Run the same number of ranks per domain, or pass shard_size=1 to replicate without sharding."
+        )
+    notes = []
+    if common < max(sizes):
+        largest = max(domains, key=lambda d: len(d.ranks))
+        notes.append(
+            f"shard size {common} is below the largest domain ({largest.key}: {len(largest.ranks)} ranks) "
+            "because domains differ in size"
+        )
+    return common, notes
+
+
+def plan_groups(cluster: ClusterView, *, shard_size: int | None = None, domain: str = "node") -> GroupPlan:
+    """Plan shard groups (inside fast domains) and replicate groups (across them); pure."""
+    domains = find_domains(cluster, domain)
+    size, notes = _choose_shard_size(domains, shard_size, domain)
+    shard_groups: list[tuple[int, ...]] = []
+    labels: list[str] = []
+    for d in domains:
+        pieces = len(d.ranks) // size
+        for k in range(pieces):
+            shard_groups.append(d.ranks[k * size : (k + 1) * size])
+            labels.append(d.key if pieces == 1 else f"{d.key}#{k}")
+    replicate_groups = tuple(zip(*shard_groups))
+    if size == 1:
+        notes.append("shard size 1: no sharding; gradients are still all-reduced across every rank")
+    return GroupPlan(
+        world_size=cluster.world_size,
+        shard_size=size,
+        replicate_size=len(shard_groups),
+        domain=domain,
+        shard_groups=tuple(shard_groups),
+        replicate_groups=replicate_groups,
+        shard_group_domains=tuple(labels),
+        notes=tuple(notes),
+    )
+
+
+def format_plan(plan: GroupPlan, *, max_rows: int = 16) -> str:
+    """The plan as text: one line per shard group and per replicate group (long lists elided)."""
+
+    def rows(title: str, groups: tuple[tuple[int, ...], ...], labels: tuple[str, ...] | None) -> list[str]:
+        out = [f"{title} ({len(groups)} x {len(groups[0]) if groups else 0} ranks):"]
+        for i, g in enumerate(groups[:max_rows]):
+            members = ", ".join(map(str, g[:max_rows])) + (", ..." if len(g) > max_rows else "")
+            where = f"  [{labels[i]}]" if labels else ""
+            out.append(f"  {i:>4}: {members}{where}")
+        if len(groups) > max_rows:
+            out.append(f"  ... {len(groups) - max_rows} more")
+        return out
+
+    lines = [
+        f"plan: world size {plan.world_size} = {plan.replicate_size} replicas x shard size {plan.shard_size} "
+        f"(domain: {plan.domain})"
+    ]
+    lines += rows("shard groups", plan.shard_groups, plan.shard_group_domains)
+    lines += rows("replicate groups", plan.replicate_groups, None)
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""Synthetic cluster views: plan a cluster you do not have yet (``hybridshard plan``), benchmark
+the planner at scale, and test layouts that are hard to launch for real.
+
+A synthetic node has ``gpus_per_node`` GPUs in one of three NVLink shapes — ``"nvswitch"`` (every
+pair ``NV18``), ``"pairs"`` (bridged pairs, ``SYS`` otherwise) or ``"none"`` (PCIe only) — split
+evenly over ``numa_per_node`` NUMA nodes. ``fabric_nodes_per_clique`` puts that many consecutive
+nodes into one multi-node NVLink clique. Global ranks are handed out in torchrun's ``"block"`` order,
+SLURM's ``"cyclic"`` order, or an explicit ``rank_order``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from topology.cluster import assemble_cluster
+from topology.records import ClusterView, GpuInfo, NodeProbe, NumaNode, NvLink, RankProbe
+
+__all__ = ["LAYOUTS", "NVLINK_SHAPES", "rank_order", "synthetic_cluster", "synthetic_node"]
+
+LAYOUTS = ("block", "cyclic")
+NVLINK_SHAPES = ("nvswitch", "pairs", "none")
+
+
+def _matrix(num_gpus: int, shape: str, numa_of: Sequence[int]) -> tuple[tuple[str, ...], ...]:
+    rows = []
+    for i in range(num_gpus):
+        row = []
+        for j in range(num_gpus):
+            if i == j:
+                row.append("X")
+            elif shape == "nvswitch":
+                row.append("NV18")
+            elif shape == "pairs" and i // 2 == j // 2:
+                row.append("NV4")
+            else:
+                row.append("NODE" if numa_of[i] == numa_of[j] else "SYS")
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+def synthetic_node(
+    name: str,
+    *,
+    gpus_per_node: int = 8,
+    nvlink: str = "nvswitch",
+    numa_per_node: int = 2,
+    cores_per_numa: int = 16,
+    fabric: tuple[str, int] | None = None,
+) -> NodeProbe:
+    """One node's probe with synthetic but self-consistent facts."""
+    if nvlink not in NVLINK_SHAPES:
+        raise ValueError(f"nvlink must be one of {NVLINK_SHAPES}, got {nvlink!r}")
+    numa_nodes = tuple(
+        NumaNode(id=k, cpus=tuple(range(k * cores_per_numa, (k + 1) * cores_per_numa))) for k in range(numa_per_node)
+    )
+    numa_of = [min(i * numa_per_node // max(gpus_per_node, 1), numa_per_node - 1) for i in range(gpus_per_node)]
+    gpus = []
+    for i in range(gpus_per_node):
+        links: tuple[NvLink, ...] = ()
+        if nvlink == "pairs":
+            links = tuple(NvLink(link=k, active=True, peer_index=i ^ 1) for k in range(4))
+        gpus.append(
+            GpuInfo(
+                index=i,
+                name="Synthetic GPU",
+                uuid=f"GPU-{name}-{i:02d}",
+                pci_bus_id=f"00000000:{0x18 + 0x10 * i:02X}:00.0",
+                numa_node=numa_of[i],
+                cpu_affinity=numa_nodes[numa_of[i]].cpus,
+                nvlinks=links,
+                fabric_cluster_uuid=fabric[0] if fabric else None,
+                fabric_clique_id=fabric[1] if fabric else None,
+            )
+        )
+    return NodeProbe(
+        node_name=name,
+        hostname=name,
+        numa_nodes=numa_nodes,
+        gpus=tuple(gpus),
+        gpu_matrix=_matrix(gpus_per_node, nvlink, numa_of),
+    )
+
+
+def rank_order(num_nodes: int, ranks_per_node: int, layout: str) -> list[tuple[int, int]]:
+    """``(node position, local rank)`` of each global rank."""
+    if layout == "block":
+        return [(r // ranks_per_node, r % ranks_per_node) for r in range(num_nodes * ranks_per_node)]
+    if layout == "cyclic":
+        return [(r % num_nodes, r // num_nodes) for r in range(num_nodes * ranks_per_node)]
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def synthetic_cluster(
+    num_nodes: int = 2,
+    gpus_per_node: int | Sequence[int] = 8,
+    *,
+    layout: str = "block",
+    order: Sequence[tuple[int, int]] | None = None,
+    nvlink: str = "nvswitch",
+    numa_per_node: int = 2,
+    fabric_nodes_per_clique: int | None = None,
+    node_prefix: str = "node",
+) -> ClusterView:
+    """A cluster of ``num_nodes`` nodes with one rank per GPU.
+
+    ``gpus_per_node`` may be a list (one count per node) for heterogeneous clusters; then ranks are
+    handed out in blocks unless ``order`` gives ``(node position, local rank)`` for each global rank.
+    """
+    counts = list(gpus_per_node) if isinstance(gpus_per_node, Sequence) else [gpus_per_node] * num_nodes
+    if len(counts) != num_nodes or num_nodes < 1 or min(counts) < 1:
+        raise ValueError(f"expected {num_nodes} positive GPU counts, got {counts}")
+    if order is None:
+        if len(set(counts)) == 1:
+            order = rank_order(num_nodes, counts[0], layout)
+        else:
+            order = [(n, k) for n, c in enumerate(counts) for k in range(c)]
+    world_size = len(order)
+    nodes = []
+    for n, count in enumerate(counts):
+        fabric = None
+        if fabric_nodes_per_clique:
+            fabric = ("fabric-0000-synthetic", n // fabric_nodes_per_clique)
+        nodes.append(
+            synthetic_node(
+                f"{node_prefix}{n}", gpus_per_node=count, nvlink=nvlink, numa_per_node=numa_per_node, fabric=fabric
+            )
+        )
+    probes = []
+    for rank, (n, local) in enumerate(order):
+        node = nodes[n]
+        uuids = tuple(g.uuid for g in node.gpus)
+        probes.append(
+            RankProbe(
+                rank=rank,
+                local_rank=local,
+                world_size=world_size,
+                node=node,
+                visible_gpu_uuids=uuids,
+                gpu_uuid=uuids[local % len(uuids)],
+                cpu_affinity=node.gpus[local % len(uuids)].cpu_affinity,
+            )
+        )
+    return assemble_cluster(probes)
