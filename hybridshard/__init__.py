@@ -9,11 +9,30 @@ gathers the probes and plans the shard and replicate groups (see :mod:`topology`
 from hybridshard.groups import ShardGroups, init_groups
 
 # -- runtime exports (flat-parameter runtime) --------------------------------------------------
+from hybridshard.collectives import count_collectives
+from hybridshard.grad_norm import clip_grad_norm_
+from hybridshard.layout import FlatLayout
+from hybridshard.runtime import no_sync
+from hybridshard.shard import shard
+from hybridshard.state_dict import full_state_dict, load_full_state_dict
+from hybridshard.strategy import MixedPrecision, ShardingStrategy
+from hybridshard.unit import ShardedState, TrainingState
 # -- end runtime exports ----------------------------------------------------------------------
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FlatLayout",
+    "MixedPrecision",
+    "ShardedState",
+    "ShardingStrategy",
+    "TrainingState",
+    "clip_grad_norm_",
+    "count_collectives",
+    "full_state_dict",
+    "load_full_state_dict",
+    "no_sync",
+    "shard",
     "ShardGroups",
     "init_groups",
 ]

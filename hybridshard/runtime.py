@@ -1,0 +1,136 @@
+"""The sharded model's runtime: its units, the module hooks that drive them, and ``no_sync``.
+
+[Note: hook wiring]
+Forward pre-/post-hooks sit only on the outermost module of each unit (gathering is not
+idempotent, and hooks on nested modules would run it twice). The root unit is the model itself:
+its pre-hook runs first and casts floating inputs to ``param_dtype`` under mixed precision. The
+first backward hook of a step queues one engine callback that, once the whole backward is done,
+reduces what no gradient hook reduced (units whose parameters got no gradient this step) and
+frees every buffer still gathered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_map
+
+from hybridshard.collectives import GroupPair
+from hybridshard.strategy import MixedPrecision, ShardingStrategy
+from hybridshard.unit import SyncMode, Unit
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Runtime", "get_runtime", "no_sync"]
+
+_ATTR = "_hybridshard_runtime"
+
+
+class Runtime:
+    """Everything ``shard`` attached to one model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        strategy: ShardingStrategy,
+        groups: GroupPair,
+        mixed_precision: MixedPrecision | None,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.strategy = strategy
+        self.groups = groups
+        self.mixed_precision = mixed_precision
+        self.device = device
+        self.units: list[Unit] = []
+        self.sync_mode = SyncMode.SYNC
+        self.in_backward = False
+        self._callback_queued = False
+        self._handles: list[Any] = []
+
+    @property
+    def root(self) -> Unit:
+        return self.units[0]
+
+    def is_root(self, unit: Unit) -> bool:
+        return unit is self.units[0]
+
+    def attach(self, units: Sequence[Unit]) -> None:
+        """Install the units and their hooks; see [Note: hook wiring]."""
+        self.units = list(units)
+        for unit in self.units:
+            is_root = unit is self.units[0]
+            self._handles.append(
+                unit.module.register_forward_pre_hook(self._make_pre_hook(unit, is_root), with_kwargs=True)
+            )
+            self._handles.append(unit.module.register_forward_hook(self._make_post_hook(unit)))
+        setattr(self.model, _ATTR, self)
+
+    def _make_pre_hook(self, unit: Unit, is_root: bool):
+        param_dtype = self.mixed_precision.param_dtype if self.mixed_precision else None
+
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+            unit.pre_forward()
+            if is_root and param_dtype is not None and not self.in_backward:
+                cast = lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                return tree_map(cast, args), tree_map(cast, kwargs)
+            return None
+
+        return pre_hook
+
+    def _make_post_hook(self, unit: Unit):
+        def post_hook(module: nn.Module, args: tuple, output: Any):
+            return unit.post_forward(output)
+
+        return post_hook
+
+    def on_backward_hook(self) -> None:
+        """Called by every unit backward hook; the first one of a backward queues the final callback."""
+        self.in_backward = True
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        try:
+            for unit in reversed(self.units):
+                unit.finish_backward()
+        finally:
+            self.in_backward = False
+            self._callback_queued = False
+
+
+def get_runtime(model: nn.Module) -> Runtime:
+    runtime = getattr(model, _ATTR, None)
+    if runtime is None:
+        raise ValueError(
+            f"{type(model).__name__} is not sharded: call hybridshard.shard(model, ...) first and pass "
+            "the model it returned"
+        )
+    return runtime
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module, *, reduce_scatter: bool = False) -> Iterator[None]:
+    """Accumulate gradients over micro-batches; the first backward after the block reduces them all.
+
+    With ``reduce_scatter=False`` (the default) backward inside the block communicates nothing: each
+    unit keeps its unsharded gradient locally. With ``reduce_scatter=True`` every backward still
+    reduce-scatters inside the shard group (only gradient shards are kept, as in a normal step) and
+    only the all-reduce across the replicate group waits for the backward after the block, which
+    divides the cross-group traffic by the number of micro-batches. Either way the result equals
+    one backward over the concatenated micro-batches.
+    """
+    runtime = get_runtime(model)
+    if runtime.sync_mode is not SyncMode.SYNC:
+        raise ValueError("no_sync blocks do not nest: leave the open block first")
+    runtime.sync_mode = SyncMode.SHARD_ONLY if reduce_scatter else SyncMode.LOCAL
+    try:
+        yield
+    finally:
+        runtime.sync_mode = SyncMode.SYNC

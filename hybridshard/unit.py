@@ -1,0 +1,260 @@
+"""One communication unit: a module's flat parameter, its two states, and its gradient reduction.
+
+[Note: unit states]
+``ShardedState`` says where the parameters are: ``SHARDED`` (only the master shard exists, modules
+hold the original parameters) or ``UNSHARDED`` (the flat buffer is gathered and the modules compute
+with views of it). ``TrainingState`` says what the unit is doing: ``IDLE``, ``FORWARD``,
+``PRE_BACKWARD`` (gathered for backward, waiting for its gradient) or ``POST_BACKWARD`` (gradient
+reduced this backward). Only the unit's own methods change them, and each asserts where it starts.
+
+Per step: pre-forward gathers (unless already gathered) and installs the views; post-forward of a
+ZeRO-3 unit frees the buffer and puts the parameters back; the gradient hook on the outputs gathers
+again before the unit's backward; the post-accumulate-grad hook on the flat leaf reduces the
+gradient and frees the buffer. ZeRO-2 units skip the free/gather pair and keep the *same views*
+installed from forward to the end of backward (no switch to sharded views and back), so between
+forward and backward a user sees unsharded parameters; changing one in that window raises.
+The root unit is never freed after forward: its backward starts right away.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from hybridshard import collectives as C
+from hybridshard.flat_param import FlatParam
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ShardedState", "SyncMode", "TrainingState", "Unit"]
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDED = "unsharded"
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+class SyncMode(enum.Enum):
+    """How a backward reduces gradients (set by ``no_sync``)."""
+
+    SYNC = "sync"
+    """Reduce-scatter in the shard group, all-reduce across the replicate group."""
+    LOCAL = "local"
+    """Accumulate the unsharded gradient locally; no communication."""
+    SHARD_ONLY = "shard_only"
+    """Reduce-scatter every micro-batch; hold the cross-group all-reduce for the next SYNC backward."""
+
+
+class Unit:
+    """One module's parameters, gathered and freed together."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        flat: FlatParam,
+        bindings: Sequence[Sequence[tuple[nn.Module, str]]],
+        *,
+        groups: C.GroupPair,
+        reshard_after_forward: bool,
+        reduce_dtype: torch.dtype,
+        runtime: Any,
+    ) -> None:
+        self.name = name or "<root>"
+        self.module = module
+        self.flat = flat
+        self.bindings = tuple(tuple(b) for b in bindings)
+        """Per slot, every ``(module, attribute)`` that holds the parameter (tied ones hold it twice)."""
+        self.groups = groups
+        self.reshard_after_forward = reshard_after_forward
+        self.reduce_dtype = reduce_dtype
+        self.runtime = runtime
+        self.sharded_state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self._views: list[torch.Tensor] | None = None
+        self._views_version = 0
+        self._pending_full: torch.Tensor | None = None
+        self._pending_shard: torch.Tensor | None = None
+        if flat.requires_grad:
+            flat.unsharded.register_post_accumulate_grad_hook(self._post_backward)
+
+    # -- sharded state ---------------------------------------------------------------------------
+
+    def unshard(self) -> None:
+        if self.sharded_state is ShardedState.UNSHARDED:
+            return
+        self.flat.writeback_params()
+        self.flat.alloc_storage()
+        if self.flat.aliases_master:
+            pass
+        elif self.groups.shard_size > 1:
+            C.all_gather(self.flat.unsharded.data, self.flat.gather_input(), self.groups.shard)
+        else:
+            self.flat.unsharded.data.copy_(self.flat.sharded)
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        if self.sharded_state is ShardedState.SHARDED:
+            return
+        self._install_params()
+        self.flat.free_storage()
+        self.sharded_state = ShardedState.SHARDED
+
+    def _install_views(self) -> None:
+        assert self.sharded_state is ShardedState.UNSHARDED
+        self._views = self.flat.unsharded_views()
+        for view, slots in zip(self._views, self.bindings):
+            for mod, attr in slots:
+                mod._parameters[attr] = view
+        self._views_version = self.flat.unsharded._version
+
+    def _install_params(self) -> None:
+        self._views = None
+        for p, slots in zip(self.flat.params, self.bindings):
+            for mod, attr in slots:
+                mod._parameters[attr] = p
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def pre_forward(self) -> None:
+        if self.runtime.in_backward:
+            # Activation-checkpoint recomputation inside backward: compute with fresh views of
+            # the buffer the backward already gathered; leave the states to the backward hooks.
+            self.unshard()
+            self._install_views()
+            return
+        if self.sharded_state is ShardedState.UNSHARDED and self._views is not None:
+            # Already gathered with views installed (ZeRO-2 / root after an earlier forward of
+            # this step): reuse them so every forward of the step feeds the same gradient.
+            self.training_state = TrainingState.FORWARD
+            return
+        self.unshard()
+        self._install_views()
+        self.training_state = TrainingState.FORWARD
+
+    def post_forward(self, output: Any) -> Any:
+        if self.runtime.in_backward:
+            return output
+        self.training_state = TrainingState.IDLE
+        if not torch.is_grad_enabled():
+            self.reshard()
+            return output
+        if self.reshard_after_forward and not self.runtime.is_root(self):
+            self.reshard()
+        else:
+            self._views_version = self.flat.unsharded._version
+        tensors, _ = tree_flatten(output)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._pre_backward)
+        return output
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        self.runtime.on_backward_hook()
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return
+        if self.sharded_state is ShardedState.UNSHARDED:
+            self.check_unchanged()
+        self.unshard()
+        self.training_state = TrainingState.PRE_BACKWARD
+
+    def check_unchanged(self) -> None:
+        """Raise if a parameter was replaced or changed in place while the unit stayed gathered."""
+        if self._views is None:
+            return
+        for i, (view, slots) in enumerate(zip(self._views, self.bindings)):
+            for mod, attr in slots:
+                if mod._parameters.get(attr) is not view:
+                    raise RuntimeError(self._changed_message(self.flat.layout.slots[i].name, "replaced"))
+        if self.flat.unsharded._version != self._views_version:
+            raise RuntimeError(self._changed_message(self._find_changed(), "changed in place"))
+
+    def _find_changed(self) -> str:
+        """Name the first parameter whose gathered values left the master (agreed over the shard group)."""
+        local = self.flat.local_chunk()
+        master = self.flat.gather_input()
+        start, _ = self.flat.layout.shard_range()
+        first = len(self.flat.layout.slots)
+        for i, (slot, part) in enumerate(zip(self.flat.layout.slots, self.flat.local)):
+            lo = part.shard_offset
+            if part.numel and not torch.equal(local[lo : lo + part.numel], master[lo : lo + part.numel]):
+                first = i
+                break
+        # Every rank is on this path (the version check is the same everywhere): agree on a name.
+        found = torch.tensor([first], dtype=torch.int64, device=local.device)
+        if self.groups.shard_size > 1:
+            C.all_reduce(found, self.groups.shard, op=torch.distributed.ReduceOp.MIN)
+        first = int(found.item())
+        slots = self.flat.layout.slots
+        return slots[first].name if first < len(slots) else "one of " + ", ".join(s.name for s in slots)
+
+    def _changed_message(self, name: str, how: str) -> str:
+        return (
+            f"parameter {name!r} of unit {self.name!r} was {how} between forward and backward; with "
+            "this strategy the unit keeps its gathered parameters until backward ends, so the change "
+            "would be lost or corrupt the gradient. Change parameters only after backward (e.g. in "
+            "the optimizer step), or use FULL_SHARD / HYBRID_SHARD"
+        )
+
+    def _post_backward(self, leaf: torch.Tensor) -> None:
+        assert self.training_state is not TrainingState.POST_BACKWARD, f"unit {self.name}: second post-backward"
+        self.runtime.on_backward_hook()
+        grad = leaf.grad
+        leaf.grad = None
+        self.reduce_grad(grad, self.runtime.sync_mode)
+        self.reshard()
+        self.training_state = TrainingState.POST_BACKWARD
+
+    def finish_backward(self) -> None:
+        """End of backward: reduce what no hook reduced, free the buffer, go back to IDLE."""
+        if self.training_state is not TrainingState.POST_BACKWARD and self.runtime.sync_mode is SyncMode.SYNC:
+            if self._pending_full is not None or self._pending_shard is not None:
+                self.reduce_grad(None, SyncMode.SYNC)
+        self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    # -- gradient reduction ----------------------------------------------------------------------
+
+    def reduce_grad(self, grad: torch.Tensor | None, mode: SyncMode) -> None:
+        """Reduce one backward's unsharded gradient as ``mode`` says; see [Note: hybrid gradient path]."""
+        layout = self.flat.layout
+        if grad is None:
+            grad = torch.zeros(layout.padded_numel, dtype=self.reduce_dtype, device=self.flat.sharded.device)
+        elif grad.dtype != self.reduce_dtype:
+            grad = grad.to(self.reduce_dtype)
+        if self._pending_full is not None:
+            grad = grad + self._pending_full
+            self._pending_full = None
+        if mode is SyncMode.LOCAL:
+            self._pending_full = grad
+            return
+        start, end = layout.shard_range()
+        if self.groups.shard_size > 1:
+            shard = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=grad.device)
+            C.reduce_scatter(shard, grad, self.groups.shard)
+        else:
+            shard = grad[start:end]
+        shard = shard / self.groups.world_size if self.groups.world_size > 1 else shard
+        if self._pending_shard is not None:
+            shard = shard + self._pending_shard
+            self._pending_shard = None
+        if mode is SyncMode.SHARD_ONLY:
+            self._pending_shard = shard
+            return
+        if self.groups.replicate_size > 1:
+            C.all_reduce(shard, self.groups.replicate)
+        self.flat.accumulate_grad_shard(shard)

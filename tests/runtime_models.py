@@ -1,0 +1,201 @@
+"""Shared pieces of the runtime tests: a small model with tied, frozen and buffer state, data,
+a single-process reference trainer, the same training loop under ``hybridshard.shard``, and a
+sweep helper that runs a grid of configurations in one multi-process call."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, replace
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, DIM, SEQ = 32, 16, 6
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, 2 * DIM)
+        self.fc2 = nn.Linear(2 * DIM, DIM)
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, DIM), requires_grad=False)  # frozen
+        self.register_buffer("scale", torch.full((DIM,), 0.9))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(F.gelu(self.fc1(self.norm(x))))
+        return x + h * self.gate * self.scale.to(x.dtype)
+
+
+class TinyLM(nn.Module):
+    """Embedding tied to the output head, two blocks, a root-level position table."""
+
+    def __init__(self, num_blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.pos = nn.Parameter(torch.randn(SEQ, DIM) * 0.1)
+        self.blocks = nn.ModuleList(Block() for _ in range(num_blocks))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.checkpoint = False
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos.to(self.embed.weight.dtype)
+        for block in self.blocks:
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(self.norm(x))
+
+
+def make_model(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    # (b, s, vocab) -> predict a fixed function of the token, to give a learnable target
+    target = (tokens * 7 + 3) % VOCAB
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), target.reshape(-1))
+
+
+def batch(step: int, micro: int, rank: int, micro_batch: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
+    return torch.randint(0, VOCAB, (micro_batch, SEQ), generator=g)
+
+
+@dataclass(frozen=True)
+class Config:
+    strategy: str = "HYBRID_SHARD"
+    bf16: bool = False
+    micro_steps: int = 1
+    """Micro-batches per step; all but the last run under no_sync."""
+    reduce_scatter_micro: bool = False
+    """no_sync(reduce_scatter=True): reduce-scatter each micro-batch, all-reduce across groups once."""
+    steps: int = 5
+    micro_batch: int = 2
+    lr: float = 1e-2
+    checkpoint: bool = False
+    clip: float | None = None
+
+
+def reference_run(cfg: Config, world_size: int) -> dict[str, Any]:
+    """One process, the global batch. In bf16 mode each rank's micro-batch is computed in bf16
+    exactly as the sharded run computes it and the gradients are averaged in fp32."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    losses, norms = [], []
+    for step in range(cfg.steps):
+        opt.zero_grad(set_to_none=True)
+        parts = [(m, r) for m in range(cfg.micro_steps) for r in range(world_size)]
+        if not cfg.bf16:
+            tokens = torch.cat([batch(step, m, r, cfg.micro_batch) for m, r in parts])
+            loss = lm_loss(model(tokens), tokens)
+            loss.backward()
+            losses.append(loss.item())
+        else:
+            low = copy.deepcopy(model).to(torch.bfloat16)
+            total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+            step_loss = 0.0
+            for m, r in parts:
+                low.zero_grad(set_to_none=True)
+                tokens = batch(step, m, r, cfg.micro_batch)
+                loss = lm_loss(low(tokens), tokens)
+                (loss / cfg.micro_steps).backward()
+                step_loss += loss.item() / len(parts)
+                for n, p in low.named_parameters():
+                    if p.grad is not None:
+                        total[n] += p.grad.float()
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    p.grad = total[n] / world_size
+            losses.append(step_loss)
+        if cfg.clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)))
+        opt.step()
+    return {"losses": losses, "norms": norms, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+_GROUPS: dict[str, Any] = {}
+
+
+def groups() -> Any:
+    """This process's ``init_groups()`` result, built once per pool."""
+    import hybridshard as hs
+
+    if "groups" not in _GROUPS:
+        _GROUPS["groups"] = hs.init_groups()
+    return _GROUPS["groups"]
+
+
+def sharded_run(cfg: Config) -> dict[str, Any]:
+    """The reference loop on this rank's share of the global batch, under ``hybridshard.shard``."""
+    import torch.distributed as dist
+
+    import hybridshard as hs
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    model.checkpoint = cfg.checkpoint
+    mp = hs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 else None
+    hs.shard(model, strategy=cfg.strategy, groups=groups(), wrap={Block}, mixed_precision=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    losses, norms, counts = [], [], []
+    for step in range(cfg.steps):
+        opt.zero_grad(set_to_none=True)
+        step_loss = torch.zeros(1)
+        with hs.count_collectives() as c:
+            for m in range(cfg.micro_steps):
+                tokens = batch(step, m, rank, cfg.micro_batch)
+                last = m == cfg.micro_steps - 1
+                ctx = hs.no_sync(model, reduce_scatter=cfg.reduce_scatter_micro) if not last else _null()
+                with ctx:
+                    loss = lm_loss(model(tokens), tokens)
+                    (loss / cfg.micro_steps).backward()
+                step_loss += loss.detach().float() / cfg.micro_steps
+        counts.append(dict(c.calls))
+        dist.all_reduce(step_loss)
+        losses.append(step_loss.item() / world)
+        if cfg.clip is not None:
+            norms.append(float(hs.clip_grad_norm_(model, cfg.clip)))
+        opt.step()
+    return {"losses": losses, "norms": norms, "state": hs.full_state_dict(model), "counts": counts}
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def sweep(**axes: Iterable[Any]) -> list[Config]:
+    """Every combination of the given Config fields: ``sweep(strategy=[...], bf16=[False, True])``."""
+    names = list(axes)
+    return [replace(Config(), **dict(zip(names, values))) for values in itertools.product(*axes.values())]
+
+
+def run_configs(configs: list[Config]) -> list[dict[str, Any]]:
+    """Run every config on this rank (one pool call for a whole sweep)."""
+    return [sharded_run(cfg) for cfg in configs]
+
+
+def compare(ref: dict[str, Any], got: dict[str, Any], *, atol: float, rtol: float, label: str) -> None:
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(ref["losses"]), atol=atol, rtol=rtol, msg=lambda m: f"{label} losses: {m}"
+    )
+    assert set(got["state"]) == set(ref["state"]), f"{label}: state keys {sorted(got['state'])} != {sorted(ref['state'])}"
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(got["state"][key], value, atol=atol, rtol=rtol, msg=lambda m: f"{label} {key}: {m}")
+    if ref["norms"]:
+        torch.testing.assert_close(
+            torch.tensor(got["norms"]), torch.tensor(ref["norms"]), atol=atol, rtol=rtol, msg=lambda m: f"{label} norms: {m}"
+        )
+
+

@@ -1,0 +1,100 @@
+"""The pure parts of the runtime: flat layout, strategy parsing, mixed precision, unit planning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hybridshard.layout import FlatLayout
+from hybridshard.strategy import MixedPrecision, ShardingStrategy
+from hybridshard.wrap import plan_units
+from tests.runtime_models import Block, TinyLM
+
+
+def test_offsets_alignment_and_padding():
+    layout = FlatLayout.build([("a", (3,)), ("b", (2, 2)), ("c", (5,))], shard_size=4, shard_rank=0, align_numel=4)
+    assert [(s.name, s.offset, s.numel) for s in layout.slots] == [("a", 0, 3), ("b", 4, 4), ("c", 8, 5)]
+    assert layout.numel == 12 and layout.padded_numel == 16 and layout.padding_numel == 4
+    assert layout.shard_numel == 4
+
+
+def test_local_slices_cover_every_element_once():
+    params = [("w", (7, 3)), ("b", (7,)), ("tiny", (1,)), ("v", (11,))]
+    for shard_size in (1, 2, 3, 4, 8, 64):
+        seen = {n: [] for n, _ in params}
+        for rank in range(shard_size):
+            layout = FlatLayout.build(params, shard_size=shard_size, shard_rank=rank, align_numel=2)
+            start, _ = layout.shard_range()
+            for slot, part in zip(layout.slots, layout.local_slices()):
+                assert 0 <= part.shard_offset and part.shard_offset + part.numel <= layout.shard_numel
+                if part.numel:
+                    assert slot.offset + part.param_start == start + part.shard_offset
+                seen[slot.name] += range(part.param_start, part.param_start + part.numel)
+        for name, shape in params:
+            assert sorted(seen[name]) == list(range(torch.Size(shape).numel())), (shard_size, name)
+
+
+def test_small_param_misses_some_shards():
+    layouts = [FlatLayout.build([("t", (2,))], shard_size=4, shard_rank=r) for r in range(4)]
+    assert [lay.local_slices()[0].numel for lay in layouts] == [1, 1, 0, 0]
+
+
+def test_layout_round_trip_and_aliases():
+    layout = FlatLayout.build([("e", (4, 2))], shard_size=2, shard_rank=1, aliases=[("head", "e")])
+    assert FlatLayout.from_dict(layout.to_dict()) == layout
+    assert layout.slot("head") is layout.slot("e")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(params=[("a", (2,)), ("a", (3,))], shard_size=2, shard_rank=0), "distinct"),
+        (dict(params=[("a", (2,))], shard_size=2, shard_rank=2), "shard_rank"),
+        (dict(params=[("a", (2,))], shard_size=0, shard_rank=0), "shard_size"),
+        (dict(params=[("a", (2,))], shard_size=1, shard_rank=0, align_numel=0), "align_numel"),
+        (dict(params=[("a", (2,))], shard_size=1, shard_rank=0, aliases=[("b", "zz")]), "alias"),
+    ],
+)
+def test_layout_rejects_bad_input(kwargs, match):
+    params = kwargs.pop("params")
+    with pytest.raises(ValueError, match=match):
+        FlatLayout.build(params, **kwargs)
+
+
+def test_strategy_parse():
+    assert [s.name for s in ShardingStrategy] == [
+        "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2",
+    ]
+    assert ShardingStrategy["HYBRID_SHARD"] is ShardingStrategy.parse("hybrid_shard")
+    assert ShardingStrategy.parse("Shard_Grad_Op") is ShardingStrategy.SHARD_GRAD_OP
+    with pytest.raises(ValueError, match="HYBRID_SHARD_ZERO2"):
+        ShardingStrategy.parse("zero3")
+    assert ShardingStrategy.HYBRID_SHARD_ZERO2.is_hybrid and not ShardingStrategy.HYBRID_SHARD_ZERO2.reshard_after_forward
+
+
+def test_mixed_precision_validates_dtypes():
+    MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with pytest.raises(ValueError, match="param_dtype"):
+        MixedPrecision(param_dtype=torch.int8)
+
+
+def test_plan_units_owns_tied_and_frozen_params():
+    torch.manual_seed(0)
+    model = TinyLM()
+    specs = plan_units(model, {Block})
+    assert [s.name for s in specs] == ["", "blocks.0", "blocks.1"]
+    root = specs[0]
+    assert "embed.weight" in root.param_names and "head.weight" not in root.param_names and ("head.weight", "embed.weight") in root.aliases
+    assert "blocks.0.gate" in specs[1].param_names and not specs[1].params[specs[1].param_names.index("blocks.0.gate")].requires_grad
+    names = [n for s in specs for n in s.param_names]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_plan_units_errors():
+    model = TinyLM()
+    with pytest.raises(ValueError, match="matched no submodule"):
+        plan_units(model, {nn.Conv2d})
+    with pytest.raises(ValueError, match="nn.Module classes"):
+        plan_units(model, {"Block"})
+    assert len(plan_units(model, lambda m: isinstance(m, nn.LayerNorm))) == 4

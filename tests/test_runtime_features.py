@@ -1,0 +1,174 @@
+"""Runtime behaviour beyond parity: names and state dicts, eval and repeated forwards, module-state
+sync, ZeRO-2 mutation checks, and every bad input ``shard`` must reject. 4 ranks, 2 nodes, one pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import hybridshard as hs
+from tests import runtime_models as RM
+from tests.mp import RankPool
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(4, num_nodes=2, timeout=60) as p:
+        yield p
+
+
+def _shard(model, strategy="HYBRID_SHARD", **kw):
+    return hs.shard(model, strategy=strategy, groups=RM.groups(), wrap={RM.Block}, **kw)
+
+
+def check_names_and_state_dict(strategy):
+    model = RM.make_model()
+    names_before = [(n, id(p)) for n, p in model.named_parameters()]
+    keys_before = list(model.state_dict().keys())
+    full_before = {k: v.clone() for k, v in model.state_dict().items()}
+    _shard(model, strategy)
+    assert [(n, id(p)) for n, p in model.named_parameters()] == names_before
+    assert list(model.state_dict().keys()) == keys_before
+    full = hs.full_state_dict(model)
+    assert list(full) == keys_before
+    for k, v in full_before.items():
+        torch.testing.assert_close(full[k], v, atol=0, rtol=0)
+    # Round trip: load changed values, read them back.
+    changed = {k: v + 0.5 if v.is_floating_point() else v for k, v in full.items()}
+    hs.load_full_state_dict(model, changed)
+    again = hs.full_state_dict(model)
+    for k, v in changed.items():
+        torch.testing.assert_close(again[k], v, atol=0, rtol=0)
+    errors = []
+    for bad in ({k: v for k, v in changed.items() if k != "pos"}, {**changed, "pos": torch.zeros(2, 2)}):
+        try:
+            hs.load_full_state_dict(model, bad)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD", "HYBRID_SHARD_ZERO2"])
+def test_names_state_dict_round_trip(pool, strategy):
+    for errors in pool.run(check_names_and_state_dict, strategy):
+        assert len(errors) == 2 and "missing keys ['pos']" in errors[0] and "'pos' has shape [2, 2]" in errors[1]
+
+
+def check_eval_and_repeated_forwards(strategy):
+    rank = dist.get_rank()
+    ref, model = RM.make_model(), RM.make_model()
+    _shard(model, strategy)
+    tokens = RM.batch(0, 0, rank, 2)
+    with torch.no_grad():
+        out = model.eval()(tokens)
+    torch.testing.assert_close(out, ref(tokens).detach(), atol=1e-5, rtol=1e-5)
+    runtime = model._hybridshard_runtime
+    assert all(u.sharded_state is hs.ShardedState.SHARDED for u in runtime.units)
+    assert all(isinstance(p, nn.Parameter) for _, p in model.named_parameters())
+    # Two forwards, one backward: gradients equal the reference's on the same two batches.
+    model.train()
+    t1, t2 = RM.batch(1, 0, rank, 2), RM.batch(1, 1, rank, 2)
+    (RM.lm_loss(model(t1), t1) + RM.lm_loss(model(t2), t2)).backward()
+    (RM.lm_loss(ref(t1), t1) + RM.lm_loss(ref(t2), t2)).backward()
+    for p in ref.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    ref_full = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert set(grads) == set(ref_full) and "blocks.0.gate" not in grads
+    for unit in runtime.units:
+        for slot, part, p in zip(unit.flat.layout.slots, unit.flat.local, unit.flat.params):
+            if p.requires_grad:
+                want = ref_full[slot.name].reshape(-1)[part.param_start : part.param_start + part.numel]
+                torch.testing.assert_close(p.grad, want, atol=1e-5, rtol=1e-5)
+    assert all(u.training_state is hs.TrainingState.IDLE for u in runtime.units)
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"])
+def test_eval_and_two_forwards_one_backward(pool, strategy):
+    assert all(pool.run(check_eval_and_repeated_forwards, strategy))
+
+
+def check_sync_module_states():
+    model = RM.make_model(seed=dist.get_rank())  # different values on every rank
+    _shard(model, sync_module_states=True)
+    full = hs.full_state_dict(model)
+    ref = RM.make_model(seed=0)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, atol=0, rtol=0)
+    return True
+
+
+def test_sync_module_states(pool):
+    assert all(pool.run(check_sync_module_states))
+
+
+def check_zero2_mutation(how):
+    model = RM.make_model()
+    _shard(model, "HYBRID_SHARD_ZERO2")
+    tokens = RM.batch(0, 0, dist.get_rank(), 2)
+    loss = RM.lm_loss(model(tokens), tokens)
+    if how == "in_place":
+        with torch.no_grad():
+            model.blocks[0].fc1.weight.add_(1.0)
+    else:
+        model.blocks[1].fc2.bias = nn.Parameter(torch.zeros(RM.DIM))
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("how, name", [("in_place", "blocks.0.fc1.weight"), ("replace", "blocks.1.fc2.bias")])
+def test_zero2_change_between_forward_and_backward_raises(pool, how, name):
+    for message in pool.run(check_zero2_mutation, how):
+        assert f"parameter {name!r}" in message and "between forward and backward" in message
+
+
+def check_bad_input(case):
+    model = RM.make_model()
+    try:
+        if case == "differs":
+            if dist.get_rank() == 2:
+                model.blocks[1].fc1 = nn.Linear(RM.DIM, 3 * RM.DIM)
+            _shard(model)
+        elif case == "twice":
+            _shard(model)
+            _shard(model)
+        elif case == "wrap":
+            hs.shard(model, groups=RM.groups(), wrap={nn.Conv2d})
+        elif case == "device":
+            model.blocks[0].fc2.weight = nn.Parameter(torch.empty(RM.DIM, 2 * RM.DIM, device="meta"))
+            _shard(model)
+        elif case == "groups":
+            world = dist.group.WORLD
+            bad = hs.ShardGroups(shard=world, replicate=world, mesh=None, plan=RM.groups().plan)
+            hs.shard(model, strategy="HYBRID_SHARD", groups=bad)
+        elif case == "strategy":
+            hs.shard(model, strategy="zero3")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("differs", "differs across ranks at parameter 'blocks.1.fc1.weight'"),
+        ("twice", "already sharded"),
+        ("wrap", "matched no submodule"),
+        ("device", "'blocks.0.fc2.weight' is on meta"),
+        ("groups", "shard group size 4 x replicate group size 4 = 16, but the job has 4 ranks"),
+        ("strategy", "strategy must be a ShardingStrategy"),
+    ],
+)
+def test_bad_input(pool, case, expected):
+    for message in pool.run(check_bad_input, case, timeout=20):
+        assert expected in message, message
