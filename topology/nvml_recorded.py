@@ -1,0 +1,223 @@
+"""Recorded NVML answers: :class:`FakeNvml` serves them, :func:`record` writes them.
+
+The format (``"hybridshard-nvml/1"``) is documented at the top of :mod:`topology.nvml`. Fixtures in
+``tests/fixtures/nvml`` use it; ``python -m topology.nvml record -o FILE`` saves a real machine's
+answers in it, so what a GPU machine reports can become a test fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Mapping
+
+from topology.nvml import (
+    FORMAT,
+    NvmlQueryError,
+    NvmlSource,
+    NvmlUnavailable,
+    bits_from_words,
+    normalize_pci_bus_id,
+    words_for,
+)
+
+__all__ = ["FakeNvml", "record"]
+
+_MISSING: Any = object()
+_WORD_BITS = 64
+
+
+class FakeNvml(NvmlSource):
+    """Serves recorded NVML answers (see the module docstring for the format).
+
+    ``fail`` makes named queries fail with a reason, for testing failure paths: a key is a query name
+    (``"fabric_info"``, ``"cpu_affinity"``, ``"common_ancestor"``, ``"init"``, ...) for every device,
+    or ``"query:index"`` for one device.
+    """
+
+    def __init__(self, data: Mapping[str, Any], *, fail: Mapping[str, str] | None = None) -> None:
+        if data.get("format") != FORMAT:
+            raise ValueError(
+                f"NVML fixture format must be {FORMAT!r}, found {data.get('format')!r}; "
+                "record one with `python -m topology.nvml record -o FILE`"
+            )
+        self.data = data
+        self.fail = dict(fail or {})
+        self.initialised = False
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], *, fail: Mapping[str, str] | None = None) -> "FakeNvml":
+        with open(path, encoding="utf-8") as f:
+            return cls(json.load(f), fail=fail)
+
+    def init(self) -> None:
+        reason = self.fail.get("init") or self.data.get("init_error")
+        if reason:
+            raise NvmlUnavailable(reason)
+        self.initialised = True
+
+    def shutdown(self) -> None:
+        self.initialised = False
+
+    def _answer(self, query: str, value: Any, index: int | None = None) -> Any:
+        if not self.initialised:
+            raise NvmlQueryError(query, "Uninitialized")
+        reason = self.fail.get(query) if index is None else self.fail.get(f"{query}:{index}", self.fail.get(query))
+        if reason:
+            raise NvmlQueryError(query, reason)
+        if value is _MISSING:
+            raise NvmlQueryError(query, "Not Found in recording")
+        if isinstance(value, Mapping) and set(value) == {"error"}:
+            raise NvmlQueryError(query, str(value["error"]))
+        return value
+
+    def _device(self, query: str, index: int) -> dict[str, Any]:
+        devices = self.data.get("devices")
+        if not isinstance(devices, list):
+            raise NvmlQueryError(query, "Invalid Argument")
+        if not 0 <= index < len(devices):
+            raise NvmlQueryError(query, "Invalid Argument")
+        return devices[index]
+
+    def _field(self, query: str, index: int, key: str) -> Any:
+        return self._answer(query, self._device(query, index).get(key, _MISSING), index)
+
+    def _link(self, query: str, index: int, link: int) -> Mapping[str, Any]:
+        links = self._field(query, index, "nvlinks")
+        if not 0 <= link < len(links):
+            raise NvmlQueryError(query, "Invalid Argument")
+        return links[link]
+
+    def driver_version(self) -> str:
+        return self._answer("driver_version", self.data.get("system", {}).get("driver_version", _MISSING))
+
+    def nvml_version(self) -> str:
+        return self._answer("nvml_version", self.data.get("system", {}).get("nvml_version", _MISSING))
+
+    def cuda_driver_version(self) -> int:
+        return int(
+            self._answer("cuda_driver_version", self.data.get("system", {}).get("cuda_driver_version", _MISSING))
+        )
+
+    def device_count(self) -> int:
+        devices = self.data.get("devices")
+        return len(self._answer("device_count", devices if devices is not None else _MISSING))
+
+    def name(self, index: int) -> str:
+        return str(self._field("name", index, "name"))
+
+    def uuid(self, index: int) -> str:
+        return str(self._field("uuid", index, "uuid"))
+
+    def pci_bus_id(self, index: int) -> str:
+        bus_id = normalize_pci_bus_id(self._field("pci_bus_id", index, "pci_bus_id"))
+        if bus_id is None:
+            raise NvmlQueryError("pci_bus_id", "NVML returned an empty PCI bus id")
+        return bus_id
+
+    def memory_total(self, index: int) -> int:
+        return int(self._field("memory_total", index, "memory_total"))
+
+    def cpu_affinity(self, index: int) -> tuple[int, ...]:
+        return bits_from_words(self._field("cpu_affinity", index, "cpu_affinity"))
+
+    def memory_affinity(self, index: int) -> tuple[int, ...]:
+        return bits_from_words(self._field("memory_affinity", index, "memory_affinity"))
+
+    def nvlink_state(self, index: int, link: int) -> bool:
+        entry = self._link("nvlink_state", index, link)
+        return bool(self._answer("nvlink_state", entry.get("state", _MISSING), index))
+
+    def nvlink_remote_pci_bus_id(self, index: int, link: int) -> str | None:
+        entry = self._link("nvlink_remote_pci", index, link)
+        return normalize_pci_bus_id(self._answer("nvlink_remote_pci", entry.get("remote_pci_bus_id", _MISSING), index))
+
+    def nvlink_remote_type(self, index: int, link: int) -> int:
+        entry = self._link("nvlink_remote_type", index, link)
+        return int(self._answer("nvlink_remote_type", entry.get("remote_type", _MISSING), index))
+
+    def fabric_info(self, index: int) -> dict[str, Any]:
+        return dict(self._field("fabric_info", index, "fabric"))
+
+    def mig_devices(self, index: int) -> tuple[str, ...]:
+        return tuple(self._field("mig_devices", index, "mig_devices"))
+
+    def common_ancestor(self, index_a: int, index_b: int) -> int:
+        self._device("common_ancestor", index_a)
+        self._device("common_ancestor", index_b)
+        matrix = self.data.get("topology")
+        row = matrix[index_a] if matrix is not None and index_a < len(matrix) else _MISSING
+        value = row[index_b] if row is not _MISSING and index_b < len(row) else _MISSING
+        return int(self._answer("common_ancestor", value, index_a))
+
+
+def record(source: NvmlSource, *, description: str = "") -> dict[str, Any]:
+    """Ask ``source`` every query and return the answers in the recorded format."""
+    data: dict[str, Any] = {"format": FORMAT, "description": description, "init_error": None}
+    try:
+        source.init()
+    except NvmlUnavailable as exc:
+        data["init_error"] = exc.reason
+        return data
+    try:
+        data["system"] = {
+            "driver_version": _ask(source.driver_version),
+            "nvml_version": _ask(source.nvml_version),
+            "cuda_driver_version": _ask(source.cuda_driver_version),
+        }
+        count = _ask(source.device_count)
+        if isinstance(count, dict):
+            data["devices"] = count
+            return data
+        data["devices"] = [_record_device(source, i) for i in range(count)]
+        data["topology"] = [
+            [None if a == b else _ask(source.common_ancestor, a, b) for b in range(count)] for a in range(count)
+        ]
+    finally:
+        source.shutdown()
+    return data
+
+
+def _record_device(source: NvmlSource, index: int) -> dict[str, Any]:
+    dev: dict[str, Any] = {
+        "name": _ask(source.name, index),
+        "uuid": _ask(source.uuid, index),
+        "pci_bus_id": _ask(source.pci_bus_id, index),
+        "memory_total": _ask(source.memory_total, index),
+        "cpu_affinity": _ask_mask(source.cpu_affinity, index),
+        "memory_affinity": _ask_mask(source.memory_affinity, index),
+    }
+    links: list[dict[str, Any]] = []
+    for link in range(source.max_nvlinks()):
+        state = _ask(source.nvlink_state, index, link)
+        if isinstance(state, dict):
+            if link == 0:
+                links = state  # type: ignore[assignment]  # the whole list is one error answer
+            break
+        entry: dict[str, Any] = {"state": int(state)}
+        if state:
+            entry["remote_pci_bus_id"] = _ask(source.nvlink_remote_pci_bus_id, index, link) or "00000000:00:00.0"
+            entry["remote_type"] = _ask(source.nvlink_remote_type, index, link)
+        links.append(entry)
+    dev["nvlinks"] = links
+    dev["fabric"] = _ask(source.fabric_info, index)
+    migs = _ask(source.mig_devices, index)
+    dev["mig_devices"] = list(migs) if isinstance(migs, tuple) else migs
+    return dev
+
+
+def _ask(fn: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except NvmlQueryError as exc:
+        return {"error": exc.reason}
+
+
+def _ask_mask(fn: Callable[[int], tuple[int, ...]], index: int) -> Any:
+    bits = _ask(fn, index)
+    if isinstance(bits, dict):
+        return bits
+    words = [0] * words_for(max(bits, default=0) + 1)
+    for b in bits:
+        words[b // _WORD_BITS] |= 1 << (b % _WORD_BITS)
+    return [f"0x{w:016x}" for w in words]
