@@ -1,0 +1,183 @@
+"""``hybridshard launch [options] SCRIPT [ARGS...]``: torchrun with settings resolved from the cluster.
+
+Options this command understands are resolved (options > SLURM > defaults, see
+:mod:`hybridshard.launcher.settings`); every other torchrun option passes through unchanged. The
+program starts at the first argument that is not an option (or after ``--``); it may be a script,
+``python -m MODULE ...`` or any executable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from hybridshard.launcher.command import LaunchCommand, build_command, make_entry, run_command
+from hybridshard.launcher.numa import compute_binding
+from hybridshard.launcher.settings import LaunchOptions, resolve_settings
+
+logger = logging.getLogger(__name__)
+
+_VALUE_OPTIONS = ("--nnodes", "--node-rank", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint",
+                  "--rdzv-id", "--master-addr", "--master-port")
+_FLAG_OPTIONS = ("--bind-numa", "--dry-run", "-h", "--help")
+_ENTRY_FLAGS = {"-m": "module", "--module": "module", "--no-python": "no_python", "--no_python": "no_python"}
+_REJECTED = {"--standalone": "give no rendezvous options for a one-node job (a free local port is used)"}
+
+USAGE = "hybridshard launch [options] [torchrun options] SCRIPT|python -m MODULE|PROGRAM [ARGS...]"
+
+
+def _our_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridshard launch", usage=USAGE, description=__doc__.split("\n\n")[0],
+                                epilog="Any other torchrun option (python -m torch.distributed.run --help) passes through.")
+    p.add_argument("--nnodes", help="number of nodes, or MIN:MAX (default: SLURM_NNODES, else 1)")
+    p.add_argument("--node-rank", type=int, help="this node's rank (default: SLURM_NODEID, else 0)")
+    p.add_argument("--nproc-per-node", help="processes on this node (default: visible GPUs, or 1 without GPUs)")
+    p.add_argument("--rdzv-backend", help="static (default: fixed node ranks) or c10d (elastic)")
+    p.add_argument("--rdzv-endpoint", help="HOST[:PORT] of the rendezvous (default: first SLURM host)")
+    p.add_argument("--rdzv-id", help="job id for the c10d rendezvous (default: SLURM_JOB_ID)")
+    p.add_argument("--master-addr", help="same as the host of --rdzv-endpoint")
+    p.add_argument("--master-port", type=int, help="same as the port of --rdzv-endpoint")
+    p.add_argument("--bind-numa", action="store_true", help="pin each local rank to the CPUs of its GPU's NUMA node")
+    p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
+    return p
+
+
+@functools.lru_cache(maxsize=1)
+def _torchrun_arity() -> dict[str, int]:
+    """Every torchrun option string -> how many values it takes (0 or 1)."""
+    from torch.distributed.run import get_args_parser
+
+    arity = {}
+    for action in get_args_parser()._actions:
+        for opt in action.option_strings:
+            arity[opt] = 0 if action.nargs == 0 else 1
+    return arity
+
+
+def _canonical(opt: str) -> str:
+    return opt.replace("_", "-") if opt.startswith("--") else opt
+
+
+@dataclass(frozen=True)
+class SplitArgv:
+    ours: tuple[str, ...]
+    passthrough: tuple[str, ...]
+    entry: tuple[str, ...]
+    module: bool = False
+    no_python: bool = False
+
+
+def split_argv(argv: Sequence[str]) -> SplitArgv:
+    """Separate this command's options, torchrun's options and the program with its arguments."""
+    ours: list[str] = []
+    passthrough: list[str] = []
+    flags = {"module": False, "no_python": False}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            i += 1
+            break
+        if not token.startswith("-") or token == "-":
+            break
+        name, eq, _ = token.partition("=")
+        canon = _canonical(name)
+        if canon in _REJECTED:
+            raise ValueError(f"{name} is not supported by hybridshard launch: {_REJECTED[canon]}")
+        if name in _ENTRY_FLAGS:
+            flags[_ENTRY_FLAGS[name]] = True
+            i += 1
+            continue
+        if canon in _VALUE_OPTIONS or canon in _FLAG_OPTIONS:
+            target, takes_value = ours, canon in _VALUE_OPTIONS
+            token = canon + token[len(name):]
+        elif name in _torchrun_arity():
+            target, takes_value = passthrough, _torchrun_arity()[name] == 1
+        else:
+            raise ValueError(
+                f"unknown option {name!r}: neither a hybridshard launch option nor a torchrun option; "
+                "see `hybridshard launch --help` and `python -m torch.distributed.run --help`, "
+                "or put the program after `--`"
+            )
+        target.append(token)
+        i += 1
+        if takes_value and not eq:
+            if i >= len(argv):
+                raise ValueError(f"option {name} expects a value, found the end of the command line")
+            target.append(argv[i])
+            i += 1
+    return SplitArgv(tuple(ours), tuple(passthrough), tuple(argv[i:]), **flags)
+
+
+def _visible_gpus():
+    """``(node probe, visible GPU uuids)`` of this host, CUDA_VISIBLE_DEVICES applied."""
+    from topology.probe import probe_rank
+
+    probe = probe_rank(rank=0, local_rank=0, world_size=1)
+    return probe.node, probe.visible_gpu_uuids
+
+
+def prepare(argv: Sequence[str], env=None, *, probe: Callable | None = None) -> tuple[argparse.Namespace, LaunchCommand]:
+    """Parse ``argv`` and build this node's command (no side effects besides probing)."""
+    env = os.environ if env is None else env
+    probe = probe or _visible_gpus
+    split = split_argv(argv)
+    opts = _our_parser().parse_args(list(split.ours))
+    if opts.bind_numa and "--run-path" in split.passthrough:
+        raise ValueError("--bind-numa starts each worker through a wrapper; it cannot be combined with --run-path")
+    entry = make_entry(split.entry, module=split.module, no_python=split.no_python)
+    probed = {}
+
+    def node_and_gpus():
+        if not probed:
+            probed["v"] = probe()
+        return probed["v"]
+
+    options = LaunchOptions(
+        nnodes=opts.nnodes, node_rank=opts.node_rank, nproc_per_node=opts.nproc_per_node,
+        rdzv_backend=opts.rdzv_backend, rdzv_endpoint=opts.rdzv_endpoint, rdzv_id=opts.rdzv_id,
+        master_addr=opts.master_addr, master_port=opts.master_port,
+    )
+    settings = resolve_settings(options, env, count_gpus=lambda: len(node_and_gpus()[1]))
+    binding = None
+    if opts.bind_numa:
+        if settings.nproc_int is None:
+            raise ValueError(f"--bind-numa needs a numeric --nproc-per-node, found {settings.nproc_per_node!r}")
+        node, visible = node_and_gpus()
+        binding = compute_binding(node, visible, settings.nproc_int, allowed_cpus=os.sched_getaffinity(0))
+    return opts, build_command(settings, entry, passthrough=split.passthrough, binding=binding)
+
+
+def run(args: argparse.Namespace) -> int:
+    argv = list(getattr(args, "argv", [])) + list(getattr(args, "extra", []) or [])
+    try:
+        wants_help = not argv or any(t in ("-h", "--help") for t in split_argv(argv).ours)
+    except ValueError as exc:
+        print(f"hybridshard launch: error: {exc}", file=sys.stderr)
+        return 2
+    if wants_help:
+        _our_parser().print_help()
+        return 0 if argv else 2
+    try:
+        opts, command = prepare(argv)
+    except ValueError as exc:
+        print(f"hybridshard launch: error: {exc}", file=sys.stderr)
+        return 2
+    if opts.dry_run:
+        print(command.render(os.environ))
+        return 0
+    return run_command(command)
+
+
+def add_parser(subparsers) -> None:
+    # prefix_chars="+" hands every token after "launch" to this command untouched, so torchrun options
+    # and the program's own options are never parsed by the top-level parser.
+    p = subparsers.add_parser("launch", help="run torchrun with settings resolved from SLURM/GPUs",
+                              prefix_chars="+", add_help=False, usage=USAGE)
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    p.set_defaults(func=run, accepts_extra=True)

@@ -1,0 +1,183 @@
+"""Build and run the torchrun command of one node.
+
+The launcher never re-implements torchrun: it resolves settings (:mod:`.settings`), then runs
+``python -m torch.distributed.run`` as a child process with exactly the argv ``--dry-run`` prints.
+With NUMA binding, torchrun launches :mod:`hybridshard.launcher.bind` as the worker entry, which pins
+the worker to its CPU set and then ``exec``s the user's program (see [Note: NUMA binding]).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from enum import Enum
+from typing import Mapping, Sequence
+
+from hybridshard.launcher.numa import BINDING_ENV, CpuBinding
+from hybridshard.launcher.settings import LaunchSettings
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EntryMode", "Entry", "LaunchCommand", "make_entry", "build_command", "run_command"]
+
+_PYTHON_NAME = re.compile(r"^python(\d+(\.\d+)?)?$")
+_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_SHOWN_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "HYBRIDSHARD_")
+_SHOWN_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONPATH")
+
+
+class EntryMode(str, Enum):
+    """How torchrun starts each worker."""
+
+    SCRIPT = "script"
+    """``python -u SCRIPT ARGS``."""
+    MODULE = "module"
+    """``python -u -m MODULE ARGS`` (torchrun ``-m``)."""
+    EXEC = "exec"
+    """``PROGRAM ARGS`` with no interpreter (torchrun ``--no-python``)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """The program every worker runs."""
+
+    mode: EntryMode
+    target: str
+    args: tuple[str, ...] = ()
+
+
+def _is_python_file(path: str) -> bool:
+    if path.endswith(".py"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(200)
+    except OSError:
+        return False
+    return first.startswith(b"#!") and b"python" in first
+
+
+def make_entry(argv: Sequence[str], *, module: bool = False, no_python: bool = False) -> Entry:
+    """Turn ``SCRIPT ARGS`` / ``python -m MOD ARGS`` / ``PROGRAM ARGS`` into an :class:`Entry`.
+
+    ``module`` and ``no_python`` are torchrun's ``-m`` and ``--no-python`` when the user gave them.
+    """
+    if not argv:
+        raise ValueError("no program to launch; expected SCRIPT [ARGS...] or python -m MODULE [ARGS...] after the options")
+    head, rest = argv[0], tuple(argv[1:])
+    if module and no_python:
+        raise ValueError("-m and --no-python contradict each other; pass one")
+    if module:
+        return Entry(EntryMode.MODULE, head, rest)
+    if no_python:
+        return Entry(EntryMode.EXEC, head, rest)
+    if _PYTHON_NAME.match(os.path.basename(head)):
+        if len(rest) >= 2 and rest[0] == "-m":
+            return Entry(EntryMode.MODULE, rest[1], rest[2:])
+        if rest and not rest[0].startswith("-"):
+            return Entry(EntryMode.SCRIPT, rest[0], rest[1:])
+        return Entry(EntryMode.EXEC, head, rest)
+    if _is_python_file(head):
+        return Entry(EntryMode.SCRIPT, head, rest)
+    if not os.path.exists(head) and shutil.which(head) is None:
+        raise ValueError(f"program {head!r} not found: neither a file nor a command on PATH; check the path")
+    return Entry(EntryMode.EXEC, head, rest)
+
+
+@dataclass(frozen=True)
+class LaunchCommand:
+    """One node's torchrun command: the argv and the variables set on top of the inherited environment."""
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    settings: LaunchSettings
+    binding: CpuBinding | None = None
+
+    def environ(self, base: Mapping[str, str]) -> dict[str, str]:
+        merged = dict(base)
+        merged.update(self.env)
+        return merged
+
+    def render(self, base_env: Mapping[str, str]) -> str:
+        """The ``--dry-run`` text: a summary, the environment that matters, and the exact command."""
+        s = self.settings
+        node = f"node rank {s.node_rank}" if s.node_rank_fixed else "node rank assigned by the rendezvous"
+        lines = [
+            f"# nnodes: {s.nnodes}, {node}, nproc-per-node: {s.nproc_per_node}",
+            f"# rendezvous: c10d TCP store on host {s.rdzv_host} port {s.rdzv_port}"
+            + (" (a free port)" if s.rdzv_port == 0 else "") + f", {s.rdzv_backend} rendezvous",
+            "# sources: " + ", ".join(f"{k}={v.value}" for k, v in s.sources),
+        ]
+        if s.slurm_job_id is not None:
+            lines.append(f"# SLURM job {s.slurm_job_id}")
+        if self.binding is not None:
+            lines += [f"# {line}" for line in self.binding.describe()]
+        set_names = {k for k, _ in self.env}
+        shown = sorted(
+            (k, v) for k, v in base_env.items()
+            if k not in set_names and (k.startswith(_SHOWN_ENV_PREFIXES) or k in _SHOWN_ENV_NAMES)
+        )
+        for k, v in shown:
+            lines.append(f"# inherited: {k}={shlex.quote(v)}")
+        lines.append("# environment: the current one, plus the variables set below")
+        prefix = ["env", *(f"{k}={v}" for k, v in self.env)] if self.env else []
+        lines.append(shlex.join([*prefix, *self.argv]))
+        return "\n".join(lines)
+
+
+def build_command(
+    settings: LaunchSettings,
+    entry: Entry,
+    *,
+    passthrough: Sequence[str] = (),
+    binding: CpuBinding | None = None,
+    python: str = sys.executable,
+) -> LaunchCommand:
+    """The torchrun argv for ``entry`` under ``settings``; ``passthrough`` goes to torchrun unchanged."""
+    argv = [python, "-m", "torch.distributed.run", *settings.torchrun_args(), *passthrough]
+    env: list[tuple[str, str]] = []
+    if binding is not None:
+        if settings.nproc_int is None:
+            raise ValueError(
+                f"--bind-numa needs a numeric --nproc-per-node, found {settings.nproc_per_node!r}; pass a number"
+            )
+        env.append((BINDING_ENV, binding.to_env()))
+        argv += ["-m", "hybridshard.launcher.bind", entry.mode.value, entry.target, *entry.args]
+    elif entry.mode is EntryMode.MODULE:
+        argv += ["-m", entry.target, *entry.args]
+    elif entry.mode is EntryMode.EXEC:
+        argv += ["--no-python", entry.target, *entry.args]
+    else:
+        argv += [entry.target, *entry.args]
+    return LaunchCommand(argv=tuple(argv), env=tuple(env), settings=settings, binding=binding)
+
+
+def run_command(command: LaunchCommand, base_env: Mapping[str, str] | None = None) -> int:
+    """Run torchrun as a child; forward termination signals to it; return its exit status."""
+    env = command.environ(os.environ if base_env is None else base_env)
+    logger.info("running: %s", shlex.join(command.argv))
+    proc = subprocess.Popen(list(command.argv), env=env)
+
+    def forward(signum: int, _frame: object) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {}
+    for sig in _FORWARDED_SIGNALS:
+        try:
+            previous[sig] = signal.signal(sig, forward)
+        except ValueError:  # not the main thread: signals stay with their default handlers
+            break
+    try:
+        rc = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - rc if rc < 0 else rc
