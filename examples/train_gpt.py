@@ -103,9 +103,9 @@ def train(args: argparse.Namespace) -> dict:
     if distributed:
         groups = hs.init_groups()
         device = groups.device or device
-        model = hs.shard(model, strategy=hs.ShardingStrategy.HYBRID_SHARD, groups=groups, wrap={Block}, device=device)
+        model = hs.shard(model, strategy=args.strategy, groups=groups, wrap={Block}, device=device)
         if rank == 0:
-            print(f"world {world}: shard groups {list(groups.plan.shard_groups)}, "
+            print(f"world {world}, {args.strategy}: shard groups {list(groups.plan.shard_groups)}, "
                   f"replicate groups {list(groups.plan.replicate_groups)}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     per_rank = args.batch_size // world
@@ -152,6 +152,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--max-norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--strategy", default="HYBRID_SHARD", choices=[s.name for s in hs.ShardingStrategy],
+                   help="sharding strategy (default HYBRID_SHARD)")
     p.add_argument("--json-out", help="rank 0 writes per-step losses and a parameter checksum here")
     p.add_argument("--reference", action="store_true", help="train unsharded in this one process")
     args = p.parse_args(argv)

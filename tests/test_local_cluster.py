@@ -87,6 +87,15 @@ def test_clear_message_without_rights(monkeypatch, capsys):
     assert "cannot create network namespaces" in err and "Operation not permitted" in err and "root" in err
 
 
+def test_check_option_reports_rights(monkeypatch, capsys):
+    monkeypatch.setattr(local_cluster, "check_rights", lambda: "`ip netns add` failed: Operation not permitted")
+    assert local_cluster.main(["--check"]) == local_cluster.RIGHTS_EXIT
+    assert "cannot create network namespaces here: `ip netns add` failed" in capsys.readouterr().out
+    monkeypatch.setattr(local_cluster, "check_rights", lambda: None)
+    assert local_cluster.main(["--check"]) == 0
+    assert "can be created here" in capsys.readouterr().out
+
+
 def test_rights_check_names_a_missing_tool(monkeypatch):
     monkeypatch.setattr(netns.shutil, "which", lambda name: None if name == "unshare" else "/usr/bin/" + name)
     assert "`unshare` is not installed" in check_rights()

@@ -246,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=29500, help="rendezvous port on host0 (default 29500)")
     p.add_argument("--launch-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every host's `hybridshard launch` (repeatable)")
+    p.add_argument("--check", action="store_true",
+                   help="only say whether this machine allows the namespaces (exit 0) or not (exit 3)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     return p
 
@@ -260,6 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(ours)
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.check:
+        reason = check_rights()
+        print("local-cluster: network namespaces can be created here" if reason is None
+              else f"local-cluster: cannot create network namespaces here: {reason}")
+        return 0 if reason is None else RIGHTS_EXIT
     try:
         opts = ClusterOptions(
             num_nodes=args.nodes, procs_per_node=args.procs_per_node, command=tuple(command),
