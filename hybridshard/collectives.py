@@ -134,6 +134,8 @@ class GroupPair:
     shard_size: int
     shard_rank: int
     replicate_size: int
+    replicate_rank: int = 0
+    """This rank's index in the replicate group; replica 0 holds the copy that norms count."""
 
     @property
     def world_size(self) -> int:

@@ -62,7 +62,8 @@ class FlatParam:
         self.unsharded.requires_grad_(self.requires_grad)
         self.sharded_grad: torch.Tensor | None = None
         for p in self.params:
-            if p.requires_grad and compute_dtype != grad_dtype and hasattr(p, "grad_dtype"):
+            # keep_low_precision_grads: a bf16 .grad next to an fp32 parameter (checked in shard()).
+            if p.requires_grad and grad_dtype != self.sharded.dtype:
                 p.grad_dtype = grad_dtype
         self.use_sharded_params()
 

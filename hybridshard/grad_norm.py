@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from hybridshard import collectives as C
 from hybridshard.runtime import get_runtime
+from hybridshard.unit import Unit
 
 logger = logging.getLogger(__name__)
 
@@ -21,33 +22,56 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """Scale the gradients of a sharded ``model`` so their global norm is at most ``max_norm``.
 
     Returns the global norm before clipping, the same value ``torch.nn.utils.clip_grad_norm_``
-    returns for the unsharded model. Collective over the shard group.
+    returns for the unsharded model, on every rank. One all-reduce of one number: over the shard
+    group when every unit has the same groups (none at all for NO_SHARD), over the default group
+    when units differ. See [Note: counting each gradient element once].
 
     [Note: counting each gradient element once]
-    After reduction every gradient element lives in exactly one rank of its shard group, and every
-    replicate group holds identical copies. So each rank sums its own shard, the shard group adds
-    the sums up, and the replicate group is left alone: adding a replica's copy would count it
-    twice (NO_SHARD is the case of a shard group of one).
+    After reduction each element of a unit's gradient lives in exactly one rank of each of the
+    unit's shard groups, and the ``replicate_size`` shard groups hold identical copies. When every
+    unit has the same groups, each rank sums its own shards and the shard group adds the sums up:
+    the shard group covers every element once, and the replicate group is left alone (adding a
+    replica's copy would count it twice; NO_SHARD is a shard group of one, so no collective). When
+    units differ (per-unit strategies), no single shard group covers every unit, so the sum runs over
+    the whole job and each unit's elements are counted on replica 0 of its replicate group only: the
+    shards on the ranks with ``replicate_rank == 0`` tile the unit exactly once. The others add
+    nothing for that unit (and skip its arithmetic); the copies are identical because they came
+    out of the same all-reduce. Still one all-reduce of one number, with no division, so the
+    counting is exact. The max norm (``norm_type=inf``) uses the same ranks and a MAX reduction.
     """
     runtime = get_runtime(model)
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"norm_type must be positive (2.0, or inf for the max norm); got {norm_type}")
-    grads = [p.grad for unit in runtime.units for p in unit.flat.params if p.grad is not None]
+    units = runtime.units
+    uniform = all(u.groups is units[0].groups for u in units)
+    group = units[0].groups.shard if uniform else None
+    group_size = units[0].groups.shard_size if uniform else dist.get_world_size()
+    counted = [g for u in units if uniform or _counts_here(u) for g in _grads(u)]
     device = runtime.device
     if math.isinf(norm_type):
-        local = torch.stack([g.detach().abs().max() for g in grads if g.numel()] or [torch.zeros((), device=device)])
-        local = local.max().float()
+        maxima = [g.detach().abs().max().float() for g in counted if g.numel()]
+        local = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
         op = dist.ReduceOp.MAX
     else:
-        parts = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads]
+        parts = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in counted]
         local = torch.stack(parts).pow(norm_type).sum() if parts else torch.zeros((), device=device)
         op = dist.ReduceOp.SUM
     local = local.to(device=device, dtype=torch.float32).reshape(1)
-    if runtime.groups.shard_size > 1:
-        C.all_reduce(local, runtime.groups.shard, op=op)
+    if group_size > 1:
+        C.all_reduce(local, group, op=op)
     total = local[0] if math.isinf(norm_type) else local[0].pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.detach().mul_(coef.to(g.dtype))
+    for unit in units:
+        for g in _grads(unit):
+            g.detach().mul_(coef.to(g.dtype))
     return total
+
+
+def _grads(unit: Unit) -> list[torch.Tensor]:
+    return [p.grad for p in unit.flat.params if p.grad is not None]
+
+
+def _counts_here(unit: Unit) -> bool:
+    """Whether this rank's shard of ``unit`` is the copy the job-wide sum counts."""
+    return unit.groups.replicate_rank == 0

@@ -20,7 +20,6 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
-from hybridshard.collectives import GroupPair
 from hybridshard.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.unit import SyncMode, Unit
 
@@ -38,13 +37,12 @@ class Runtime:
         self,
         model: nn.Module,
         strategy: ShardingStrategy,
-        groups: GroupPair,
         mixed_precision: MixedPrecision | None,
         device: torch.device,
     ) -> None:
         self.model = model
         self.strategy = strategy
-        self.groups = groups
+        """The model's strategy (the root unit's); each unit carries its own."""
         self.mixed_precision = mixed_precision
         self.device = device
         self.units: list[Unit] = []

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import zlib
-from typing import Any
+from collections import Counter
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,11 +38,13 @@ def shard(
 ) -> nn.Module:
     """Shard ``model`` in place and return it.
 
-    ``groups`` is a :class:`hybridshard.ShardGroups`; ``None`` means :func:`hybridshard.init_groups`
-    for the hybrid strategies and the default group otherwise. The non-hybrid strategies always use
-    the default group (FULL_SHARD / SHARD_GRAD_OP shard over the whole job, NO_SHARD replicates over
-    it), even when ``groups`` is given. Collective over the default group: every rank calls it with
-    the same model structure and arguments.
+    ``strategy`` applies to the root unit and to every unit the ``wrap`` policy gives no strategy
+    of its own (see :mod:`hybridshard.wrap` for per-unit strategies). Units with a hybrid strategy
+    use ``groups``, a :class:`hybridshard.ShardGroups`; ``None`` means :func:`hybridshard.init_groups`
+    when any unit is hybrid. The other units always use the default group (FULL_SHARD /
+    SHARD_GRAD_OP shard over the whole job, NO_SHARD replicates over it), even when ``groups`` is
+    given. Collective over the default group: every rank calls it with the same model structure and
+    arguments.
     """
     if not dist.is_initialized():
         raise RuntimeError("shard needs an initialised default process group: call init_process_group() first")
@@ -53,30 +56,64 @@ def shard(
     strategy = ShardingStrategy.parse(strategy)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise ValueError(f"mixed_precision must be a hybridshard.MixedPrecision or None; got {mixed_precision!r}")
-    pair, shard_groups = _resolve_groups(strategy, groups)
-    device = _resolve_device(device, shard_groups)
+    _check_low_precision_grads(mixed_precision, torch.Tensor)
     specs = plan_units(model, wrap)
+    strategies = [spec.strategy or strategy for spec in specs]
+    pairs, shard_groups = _resolve_groups(strategies, groups)
+    device = _resolve_device(device, shard_groups)
     _check_devices(model, device)
-    _check_same_model(model, values=not sync_module_states)
+    plan = [(spec.name or "<root>", s.name) for spec, s in zip(specs, strategies)]
+    _check_same_model(model, values=not sync_module_states, plan=plan)
 
-    runtime = Runtime(model, strategy, pair, mixed_precision, device)
-    rank0_index = _rank0_shard_index(pair) if sync_module_states else None
-    units = [_build_unit(spec, pair, strategy, mixed_precision, device, rank0_index, runtime) for spec in specs]
+    runtime = Runtime(model, strategy, mixed_precision, device)
+    rank0_index: dict[int, int] = {}
+    if sync_module_states:
+        for pair in _distinct(pairs[s] for s in strategies):
+            rank0_index[id(pair)] = _rank0_shard_index(pair)
+    units = [
+        _build_unit(spec, s, pairs[s], mixed_precision, device, rank0_index.get(id(pairs[s])), runtime)
+        for spec, s in zip(specs, strategies)
+    ]
+    root_pair = pairs[strategies[0]]
     for buf in model.buffers():
         buf.data = buf.data.to(device)
-        if rank0_index is not None:
-            _broadcast_from_rank0(buf.data, pair, rank0_index)
+        if sync_module_states:
+            _broadcast_from_rank0(buf.data, root_pair, rank0_index[id(root_pair)])
     runtime.attach(units)
-    logger.info(
-        "sharded %s: %s, %d units, shard size %d x replicate size %d on %s",
-        type(model).__name__, strategy.name, len(units), pair.shard_size, pair.replicate_size, device,
-    )
+    if logger.isEnabledFor(logging.INFO):
+        per_strategy = Counter(f"{u.strategy.name} ({u.groups.shard_size}x{u.groups.replicate_size})" for u in units)
+        logger.info("sharded %s: %d units on %s: %s", type(model).__name__, len(units), device, dict(per_strategy))
     return model
 
 
-def _resolve_groups(strategy: ShardingStrategy, groups: Any) -> tuple[C.GroupPair, Any]:
+def _distinct(pairs: Iterable[C.GroupPair]) -> list[C.GroupPair]:
+    """The distinct group pairs in first-use order (the same order on every rank)."""
+    out: list[C.GroupPair] = []
+    for pair in pairs:
+        if all(pair is not seen for seen in out):
+            out.append(pair)
+    return out
+
+
+def _check_low_precision_grads(mp: MixedPrecision | None, tensor_type: type) -> None:
+    """``keep_low_precision_grads`` needs ``Tensor.grad_dtype``: a ``.grad`` whose dtype differs from its parameter's."""
+    if mp is None or not mp.keep_low_precision_grads or mp.param_dtype is None:
+        return
+    if not hasattr(tensor_type, "grad_dtype"):
+        raise ValueError(
+            "MixedPrecision(keep_low_precision_grads=True) leaves each .grad in param_dtype next to a "
+            f"full-precision parameter, which needs Tensor.grad_dtype; torch {torch.__version__} lacks it. "
+            "Upgrade torch, or use keep_low_precision_grads=False"
+        )
+
+
+def _resolve_groups(
+    strategies: Sequence[ShardingStrategy], groups: Any
+) -> tuple[dict[ShardingStrategy, C.GroupPair], Any]:
+    """One :class:`GroupPair` per strategy; strategies that communicate alike share the same object."""
     world = dist.get_world_size()
-    if strategy.is_hybrid:
+    pairs: dict[ShardingStrategy, C.GroupPair] = {}
+    if any(s.is_hybrid for s in strategies):
         if groups is None:
             from hybridshard.groups import init_groups
 
@@ -93,22 +130,25 @@ def _resolve_groups(strategy: ShardingStrategy, groups: Any) -> tuple[C.GroupPai
             )
         C.name_group(groups.shard, "shard")
         C.name_group(groups.replicate, "replicate")
-        pair = C.GroupPair(
+        hybrid = C.GroupPair(
             shard=groups.shard,
             replicate=groups.replicate,
             shard_size=shard_size,
             shard_rank=dist.get_rank(groups.shard),
             replicate_size=replicate_size,
+            replicate_rank=dist.get_rank(groups.replicate),
         )
-        return pair, groups
+        pairs[ShardingStrategy.HYBRID_SHARD] = pairs[ShardingStrategy.HYBRID_SHARD_ZERO2] = hybrid
     world_group = dist.group.WORLD
     C.name_group(world_group, "world")
-    if strategy is ShardingStrategy.NO_SHARD:
-        return C.GroupPair(shard=None, replicate=world_group, shard_size=1, shard_rank=0, replicate_size=world), groups
-    return (
-        C.GroupPair(shard=world_group, replicate=None, shard_size=world, shard_rank=dist.get_rank(), replicate_size=1),
-        groups,
+    pairs[ShardingStrategy.NO_SHARD] = C.GroupPair(
+        shard=None, replicate=world_group, shard_size=1, shard_rank=0, replicate_size=world,
+        replicate_rank=dist.get_rank(),
     )
+    pairs[ShardingStrategy.FULL_SHARD] = pairs[ShardingStrategy.SHARD_GRAD_OP] = C.GroupPair(
+        shard=world_group, replicate=None, shard_size=world, shard_rank=dist.get_rank(), replicate_size=1
+    )
+    return pairs, groups
 
 
 def _resolve_device(device: torch.device | str | None, groups: Any) -> torch.device:
@@ -145,13 +185,15 @@ def _digest(model: nn.Module, values: bool) -> list[tuple[str, tuple[int, ...], 
     return out
 
 
-def _check_same_model(model: nn.Module, *, values: bool) -> None:
-    """One small all-gather of a model digest; on a mismatch, name the first differing parameter.
+def _check_same_model(model: nn.Module, *, values: bool, plan: Sequence[tuple[str, str]]) -> None:
+    """One small all-gather of a model digest; on a mismatch, name the first differing parameter or unit.
 
-    Values are compared too unless ``sync_module_states`` will overwrite them anyway.
+    ``plan`` is the ``(unit, strategy)`` list: ranks that split the model differently would issue
+    different collectives and hang. Values are compared too unless ``sync_module_states`` will
+    overwrite them anyway.
     """
     rows = _digest(model, values)
-    structure = zlib.crc32(repr([r[:3] for r in rows]).encode())
+    structure = zlib.crc32(repr(([r[:3] for r in rows], list(plan))).encode())
     summary = torch.tensor(
         [len(rows), structure, sum(r[3] for r in rows), sum(r[4] for r in rows)], dtype=torch.float64
     )
@@ -161,11 +203,11 @@ def _check_same_model(model: nn.Module, *, values: bool) -> None:
     gathered = gathered.view(dist.get_world_size(), -1)
     if bool((gathered == gathered[0]).all()):
         return
-    # Slow path, taken by every rank alike: find the first parameter that differs.
+    # Slow path, taken by every rank alike: find the first parameter, then the first unit, that differs.
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, rows)
-    for i in range(max(len(r) for r in everyone)):
-        column = [r[i] if i < len(r) else None for r in everyone]
+    dist.all_gather_object(everyone, (rows, list(plan)))
+    for i in range(max(len(r) for r, _ in everyone)):
+        column = [r[i] if i < len(r) else None for r, _ in everyone]
         for rank, entry in enumerate(column):
             if entry != column[0]:
                 name = (column[0] or entry)[0]
@@ -174,6 +216,19 @@ def _check_same_model(model: nn.Module, *, values: bool) -> None:
                     f"rank {rank} has {_describe(entry)}. Build the model identically on every rank (same "
                     "code and seed), or pass sync_module_states=True to copy rank 0's values"
                 )
+    for i in range(max(len(p) for _, p in everyone)):
+        column = [p[i] if i < len(p) else None for _, p in everyone]
+        for rank, entry in enumerate(column):
+            if entry != column[0]:
+                raise ValueError(
+                    f"the units differ across ranks at unit #{i}: rank 0 has {_describe_unit(column[0])}, rank "
+                    f"{rank} has {_describe_unit(entry)}. Pass every rank the same strategy and a wrap policy "
+                    "that decides from the module alone (not from the rank)"
+                )
+
+
+def _describe_unit(entry: tuple[str, str] | None) -> str:
+    return "no such unit" if entry is None else f"{entry[0]!r} with {entry[1]}"
 
 
 def _describe(entry: Any) -> str:
@@ -208,8 +263,8 @@ def _broadcast_from_rank0(tensor: torch.Tensor, pair: C.GroupPair, rank0_index: 
 
 def _build_unit(
     spec: UnitSpec,
-    pair: C.GroupPair,
     strategy: ShardingStrategy,
+    pair: C.GroupPair,
     mp: MixedPrecision | None,
     device: torch.device,
     rank0_index: int | None,
@@ -246,8 +301,8 @@ def _build_unit(
         spec.module,
         flat,
         spec.bindings,
+        strategy=strategy,
         groups=pair,
-        reshard_after_forward=strategy.reshard_after_forward,
         reduce_dtype=reduce_dtype,
         runtime=runtime,
     )

@@ -29,14 +29,16 @@ def _check_idle(model: nn.Module, what: str) -> None:
 def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict[str, torch.Tensor]:
     """Every parameter gathered to full shape (master dtype) and every buffer, on every rank.
 
-    Collective over the shard group: all ranks must call it. Keys equal the unsharded model's
-    ``state_dict()`` keys, tied parameters included under each of their names.
+    Collective over each unit's shard group: all ranks must call it. Keys equal the unsharded
+    model's ``state_dict()`` keys, tied parameters included under each of their names. A parameter
+    whose ``.data`` was replaced since the last step is written back first, so the result shows it.
     """
     _check_idle(model, "full_state_dict")
     runtime = get_runtime(model)
     full_params: dict[str, torch.Tensor] = {}
     for unit in runtime.units:
         flat, layout = unit.flat, unit.flat.layout
+        flat.writeback_params()
         if layout.shard_size > 1:
             gathered = torch.empty(layout.padded_numel, dtype=flat.sharded.dtype, device=flat.sharded.device)
             C.all_gather(gathered, flat.sharded, unit.groups.shard)
@@ -60,7 +62,8 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     """Load a full state dict (as :func:`full_state_dict` returns) into a sharded model.
 
     Each rank copies only its own shard; no communication. Raises ``ValueError`` on missing or
-    unexpected keys and on shape mismatches, before changing anything.
+    unexpected keys and on shape mismatches, before changing anything. The loaded values win over
+    any ``.data`` replaced since the last step: every parameter points at its master shard again.
     """
     _check_idle(model, "load_full_state_dict")
     runtime = get_runtime(model)
@@ -86,6 +89,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
                 if part.numel:
                     source = state_dict[slot.name].reshape(-1)[part.param_start : part.param_start + part.numel]
                     flat.shard_view(i).copy_(source)
+            flat.use_sharded_params()
         params = {slot.name for unit in runtime.units for slot in unit.flat.layout.slots}
         aliases = {a for unit in runtime.units for a, _ in unit.flat.layout.aliases}
         for key, value in model.state_dict(keep_vars=True).items():

@@ -62,7 +62,12 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = None
     """Dtype gradients are reduced in; ``None`` means ``param_dtype`` (or the parameters' dtype)."""
     keep_low_precision_grads: bool = False
-    """Leave the reduced gradient in ``param_dtype`` instead of casting it to the master dtype."""
+    """Leave the reduced gradient in ``param_dtype`` instead of casting it to the master dtype.
+
+    Each ``.grad`` is then a ``param_dtype`` tensor next to a full-precision parameter (needs
+    ``Tensor.grad_dtype``), so the optimizer must accept that: SGD, Adagrad and RMSprop do;
+    torch's Adam and AdamW reject it at ``step()`` (as of torch 2.13).
+    """
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):

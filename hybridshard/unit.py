@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from hybridshard import collectives as C
 from hybridshard.flat_param import FlatParam
+from hybridshard.strategy import ShardingStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,8 @@ class Unit:
         flat: FlatParam,
         bindings: Sequence[Sequence[tuple[nn.Module, str]]],
         *,
+        strategy: ShardingStrategy,
         groups: C.GroupPair,
-        reshard_after_forward: bool,
         reduce_dtype: torch.dtype,
         runtime: Any,
     ) -> None:
@@ -77,8 +78,10 @@ class Unit:
         self.flat = flat
         self.bindings = tuple(tuple(b) for b in bindings)
         """Per slot, every ``(module, attribute)`` that holds the parameter (tied ones hold it twice)."""
+        self.strategy = strategy
         self.groups = groups
-        self.reshard_after_forward = reshard_after_forward
+        """The unit's own groups: hybrid units use the shard/replicate groups, the others the world."""
+        self.reshard_after_forward = strategy.reshard_after_forward
         self.reduce_dtype = reduce_dtype
         self.runtime = runtime
         self.sharded_state = ShardedState.SHARDED

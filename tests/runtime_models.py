@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
@@ -53,9 +54,9 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def make_model(seed: int = 0) -> TinyLM:
+def make_model(seed: int = 0, num_blocks: int = 2) -> TinyLM:
     torch.manual_seed(seed)
-    return TinyLM()
+    return TinyLM(num_blocks)
 
 
 def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -82,13 +83,80 @@ class Config:
     lr: float = 1e-2
     checkpoint: bool = False
     clip: float | None = None
+    block_strategies: tuple[str, ...] = ()
+    """One block per entry, each a unit with that strategy (a callable wrap policy); () = two blocks."""
+    block_strategy: str | None = None
+    """Every block's strategy through a mapping ``wrap={Block: block_strategy}``."""
+    low_precision_grads: bool = False
+    """``MixedPrecision(keep_low_precision_grads=True)`` (with ``bf16``): ``.grad`` stays bf16."""
+    optimizer: str = "adamw"
+    """"adamw", or "sgd" (momentum 0.9), which steps fp32 parameters with bf16 gradients."""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_strategies) or 2
+
+    @property
+    def unit_strategies(self) -> list[str]:
+        """The root's strategy, then each block's."""
+        blocks = list(self.block_strategies) or [self.block_strategy or self.strategy] * 2
+        return [self.strategy.upper()] + [b.upper() for b in blocks]
+
+
+def make_optimizer(cfg: Config, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=cfg.lr)
+
+
+def wrap_policy(cfg: Config, model: TinyLM) -> Any:
+    """``{Block}``, ``{Block: cfg.block_strategy}``, or a callable giving each block its own strategy."""
+    if cfg.block_strategies:
+        chosen = dict(zip(model.blocks, cfg.block_strategies))
+        return lambda module: chosen.get(module, False)
+    if cfg.block_strategy is not None:
+        return {Block: cfg.block_strategy}
+    return {Block}
+
+
+def expected_counts(cfg: Config) -> dict[tuple[str, str], int]:
+    """Collectives per step of forward + backward, from each unit's strategy.
+
+    Gathers per forward+backward: a ZeRO-3 block twice, a ZeRO-2 block and the root once (the root
+    stays gathered from forward into backward), NO_SHARD never. Reductions happen once per unit on
+    the syncing backward (and per micro-batch for the shard-group reduce-scatter with
+    ``reduce_scatter_micro``). Hybrid units use the "shard"/"replicate" groups, the others "world"."""
+    from hybridshard.strategy import ShardingStrategy
+
+    out: Counter = Counter()
+    micro = cfg.micro_steps
+    for i, name in enumerate(cfg.unit_strategies):
+        s = ShardingStrategy[name]
+        if s is ShardingStrategy.NO_SHARD:
+            out[("all_reduce", "world")] += 1
+            continue
+        shard = "shard" if s.is_hybrid else "world"
+        out[("all_gather", shard)] += micro * (2 if s.reshard_after_forward and i > 0 else 1)
+        out[("reduce_scatter", shard)] += micro if cfg.reduce_scatter_micro else 1
+        if s.is_hybrid:
+            out[("all_reduce", "replicate")] += 1
+    return dict(out)
+
+
+def expected_clip_counts(cfg: Config) -> dict[tuple[str, str], int]:
+    """One all-reduce of one number: in the shared shard group, or the world when units differ."""
+    kinds = {"hybrid" if "HYBRID" in s else "replicated" if s == "NO_SHARD" else "world" for s in cfg.unit_strategies}
+    if len(kinds) > 1:
+        return {("all_reduce", "world"): 1}
+    return {"hybrid": {("all_reduce", "shard"): 1}, "world": {("all_reduce", "world"): 1}, "replicated": {}}[kinds.pop()]
 
 
 def reference_run(cfg: Config, world_size: int) -> dict[str, Any]:
     """One process, the global batch. In bf16 mode each rank's micro-batch is computed in bf16
-    exactly as the sharded run computes it and the gradients are averaged in fp32."""
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    exactly as the sharded run computes it and the gradients are averaged in fp32 (then kept in
+    bf16 with ``low_precision_grads``)."""
+    model = make_model(num_blocks=cfg.num_blocks)
+    opt = make_optimizer(cfg, model.parameters())
     losses, norms = [], []
     for step in range(cfg.steps):
         opt.zero_grad(set_to_none=True)
@@ -112,7 +180,10 @@ def reference_run(cfg: Config, world_size: int) -> dict[str, Any]:
                     if p.grad is not None:
                         total[n] += p.grad.float()
             for n, p in model.named_parameters():
-                if p.requires_grad:
+                if p.requires_grad and cfg.low_precision_grads:
+                    p.grad_dtype = torch.bfloat16
+                    p.grad = (total[n] / world_size).to(torch.bfloat16)
+                elif p.requires_grad:
                     p.grad = total[n] / world_size
             losses.append(step_loss)
         if cfg.clip is not None:
@@ -140,12 +211,17 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
     import hybridshard as hs
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model()
+    model = make_model(num_blocks=cfg.num_blocks)
     model.checkpoint = cfg.checkpoint
-    mp = hs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 else None
-    hs.shard(model, strategy=cfg.strategy, groups=groups(), wrap={Block}, mixed_precision=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    losses, norms, counts = [], [], []
+    mp = None
+    if cfg.bf16:
+        mp = hs.MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, keep_low_precision_grads=cfg.low_precision_grads
+        )
+    hs.shard(model, strategy=cfg.strategy, groups=groups(), wrap=wrap_policy(cfg, model), mixed_precision=mp)
+    opt = make_optimizer(cfg, model.parameters())
+    losses, norms, counts, clip_counts = [], [], [], []
+    grad_dtypes: set[str] = set()
     for step in range(cfg.steps):
         opt.zero_grad(set_to_none=True)
         step_loss = torch.zeros(1)
@@ -159,12 +235,23 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
                     (loss / cfg.micro_steps).backward()
                 step_loss += loss.detach().float() / cfg.micro_steps
         counts.append(dict(c.calls))
+        grad_dtypes |= {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
         dist.all_reduce(step_loss)
         losses.append(step_loss.item() / world)
         if cfg.clip is not None:
-            norms.append(float(hs.clip_grad_norm_(model, cfg.clip)))
+            with hs.count_collectives() as c:
+                norms.append(float(hs.clip_grad_norm_(model, cfg.clip)))
+            clip_counts.append(dict(c.calls))
         opt.step()
-    return {"losses": losses, "norms": norms, "state": hs.full_state_dict(model), "counts": counts}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": hs.full_state_dict(model),
+        "counts": counts,
+        "clip_counts": clip_counts,
+        "grad_dtypes": sorted(grad_dtypes),
+        "unit_strategies": [u.strategy.name for u in model._hybridshard_runtime.units],
+    }
 
 
 class _null:

@@ -98,3 +98,49 @@ def test_plan_units_errors():
     with pytest.raises(ValueError, match="nn.Module classes"):
         plan_units(model, {"Block"})
     assert len(plan_units(model, lambda m: isinstance(m, nn.LayerNorm))) == 4
+
+
+class SubBlock(Block):
+    pass
+
+
+def test_plan_units_per_unit_strategies():
+    model = TinyLM(num_blocks=3)
+    model.blocks[2] = SubBlock()
+    specs = plan_units(model, {Block: "no_shard"})
+    assert [s.strategy for s in specs] == [None] + [ShardingStrategy.NO_SHARD] * 3
+    # A module's own class wins over an earlier base-class entry; None means the model's strategy.
+    specs = plan_units(model, {Block: None, SubBlock: ShardingStrategy.HYBRID_SHARD_ZERO2})
+    assert [s.strategy for s in specs] == [None, None, None, ShardingStrategy.HYBRID_SHARD_ZERO2]
+    chosen = {model.blocks[0]: True, model.blocks[1]: "Full_Shard"}
+    specs = plan_units(model, lambda m: chosen.get(m))
+    assert [(s.name, s.strategy) for s in specs] == [("", None), ("blocks.0", None), ("blocks.1", ShardingStrategy.FULL_SHARD)]
+    assert "blocks.2.fc1.weight" in specs[0].param_names  # not a unit: the root owns it
+
+
+@pytest.mark.parametrize(
+    "wrap, match",
+    [
+        ({Block: "zero3"}, r"wrap\[Block\] must be a ShardingStrategy, one of FULL_SHARD, .*HYBRID_SHARD_ZERO2 .*got 'zero3'"),
+        ({Block: True}, r"wrap\[Block\] must be a ShardingStrategy.*got True"),
+        ({"Block": "NO_SHARD"}, "nn.Module classes"),
+        (lambda m: "ddp" if isinstance(m, Block) else False, r"wrap policy result for 'blocks.0' \(Block\).*got 'ddp'"),
+    ],
+)
+def test_plan_units_rejects_bad_strategies(wrap, match):
+    with pytest.raises(ValueError, match=match):
+        plan_units(TinyLM(), wrap)
+
+
+def test_low_precision_grads_need_grad_dtype():
+    from hybridshard.shard import _check_low_precision_grads
+
+    mp = MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+    _check_low_precision_grads(mp, torch.Tensor)  # torch has Tensor.grad_dtype
+    _check_low_precision_grads(MixedPrecision(keep_low_precision_grads=True), object)  # nothing to keep
+
+    class OldTensor:  # a torch without Tensor.grad_dtype
+        pass
+
+    with pytest.raises(ValueError, match="keep_low_precision_grads=True.*needs Tensor.grad_dtype"):
+        _check_low_precision_grads(mp, OldTensor)

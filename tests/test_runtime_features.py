@@ -58,6 +58,30 @@ def test_names_state_dict_round_trip(pool, strategy):
         assert len(errors) == 2 and "missing keys ['pos']" in errors[0] and "'pos' has shape [2, 2]" in errors[1]
 
 
+def check_replaced_data(strategy):
+    """A parameter whose ``.data`` was replaced between steps: full_state_dict shows the new values,
+    and a loaded state dict wins over the replacement at the next forward."""
+    model = RM.make_model()
+    _shard(model, strategy)
+    saved = hs.full_state_dict(model)
+    p = model.blocks[0].fc1.weight
+    p.data = torch.full_like(p.data, 7.0)
+    shown = hs.full_state_dict(model)["blocks.0.fc1.weight"]
+    assert bool((shown == 7.0).all()), shown
+    hs.load_full_state_dict(model, saved)
+    tokens = RM.batch(0, 0, dist.get_rank(), 2)
+    with torch.no_grad():
+        out = model(tokens)
+    torch.testing.assert_close(out, RM.make_model()(tokens).detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hs.full_state_dict(model)["blocks.0.fc1.weight"], saved["blocks.0.fc1.weight"])
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_replaced_data_and_state_dicts(pool, strategy):
+    assert all(pool.run(check_replaced_data, strategy))
+
+
 def check_eval_and_repeated_forwards(strategy):
     rank = dist.get_rank()
     ref, model = RM.make_model(), RM.make_model()
@@ -153,6 +177,8 @@ def check_bad_input(case):
             hs.shard(model, strategy="HYBRID_SHARD", groups=bad)
         elif case == "strategy":
             hs.shard(model, strategy="zero3")
+        elif case == "unit_strategy":
+            hs.shard(model, groups=RM.groups(), wrap={RM.Block: "zero3"})
     except ValueError as e:
         return str(e)
     return "no error"
@@ -167,6 +193,8 @@ def check_bad_input(case):
         ("device", "'blocks.0.fc2.weight' is on meta"),
         ("groups", "shard group size 4 x replicate group size 4 = 16, but the job has 4 ranks"),
         ("strategy", "strategy must be a ShardingStrategy"),
+        ("unit_strategy", "wrap[Block] must be a ShardingStrategy, one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
+         "HYBRID_SHARD, HYBRID_SHARD_ZERO2 (any case), or None for the model's strategy; got 'zero3'"),
     ],
 )
 def test_bad_input(pool, case, expected):

@@ -34,27 +34,6 @@ def sweep_results():
     return per_rank
 
 
-def _expected_counts(cfg: RM.Config) -> dict[tuple[str, str], int]:
-    """Collectives per step for TinyLM (root unit + 2 block units, all with gradients).
-
-    Gathers per forward+backward: ZeRO-3 gathers each block twice and the root once (the root stays
-    gathered from forward into backward); ZeRO-2 gathers each unit once; NO_SHARD never gathers.
-    Reductions happen once per unit on the syncing backward (and per micro-batch for the shard-group
-    reduce-scatter with ``reduce_scatter_micro``)."""
-    s = ShardingStrategy[cfg.strategy]
-    units, blocks, micro = 3, 2, cfg.micro_steps
-    shard, rep = ("shard", "replicate") if s.is_hybrid else ("world", "world")
-    out: dict[tuple[str, str], int] = {}
-    if s is ShardingStrategy.NO_SHARD:
-        out[("all_reduce", "world")] = units
-        return out
-    out[("all_gather", shard)] = micro * ((1 + 2 * blocks) if s.reshard_after_forward else units)
-    out[("reduce_scatter", shard)] = units * (micro if cfg.reduce_scatter_micro else 1)
-    if s.is_hybrid:
-        out[("all_reduce", rep)] = units
-    return out
-
-
 @pytest.mark.parametrize("index", range(len(SWEEP + EXTRA)), ids=[
     f"{c.strategy}-{'bf16' if c.bf16 else 'fp32'}-micro{c.micro_steps}"
     + ("-rs" if c.reduce_scatter_micro else "") + ("-ckpt" if c.checkpoint else "")
@@ -67,11 +46,13 @@ def test_parity_and_counts(sweep_results, index):
     for rank, results in enumerate(sweep_results):
         got = results[index]
         RM.compare(ref, got, label=f"rank {rank}", **tol)
-        expected = _expected_counts(cfg)
+        assert got["unit_strategies"] == cfg.unit_strategies
+        expected = RM.expected_counts(cfg)
         for step, counts in enumerate(got["counts"]):
             if cfg.checkpoint:
                 continue  # recomputation inside backward reuses the backward's gather: same as plain
             assert counts == expected, f"rank {rank} step {step}: {counts} != {expected}"
+        assert got["clip_counts"] == [RM.expected_clip_counts(cfg)] * len(got["norms"]), got["clip_counts"]
 
 
 def test_cyclic_layout_hybrid_parity():
