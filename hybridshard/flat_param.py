@@ -80,6 +80,15 @@ class FlatParam:
         for i, p in enumerate(self.params):
             p.data = self.shard_view(i)
 
+    def master_versions(self) -> tuple[int, ...]:
+        """Version counters of the master and of each original parameter, in slot order.
+
+        An in-place change of the master bumps the master's counter when made on it directly and the
+        parameter's when made through an original parameter (``.data`` assignment gives a parameter
+        a counter of its own).
+        """
+        return (self.sharded._version, *(p._version for p in self.params))
+
     def writeback_params(self) -> None:
         """Copy into the master any parameter whose ``.data`` the user replaced since the last step.
 

@@ -14,6 +14,16 @@ gradient and frees the buffer. ZeRO-2 units skip the free/gather pair and keep t
 installed from forward to the end of backward (no switch to sharded views and back), so between
 forward and backward a user sees unsharded parameters; changing one in that window raises.
 The root unit is never freed after forward: its backward starts right away.
+
+[Note: stale gathers]
+A unit that stays gathered after forward (the root, ZeRO-2 units) is normally freed by its backward.
+If the master shard changes while it is gathered (an optimizer step after a forward that had no
+backward, such as an evaluation forward outside ``no_grad``), the gathered values are stale. Every
+in-place change of the master bumps a version counter (see ``FlatParam.master_versions``), and the
+counters are recorded at each gather: a forward that reuses the gather gathers again when they
+moved, and a backward that would use it raises, naming the parameter, since its gradient would
+belong to values the parameter no longer has. The check runs only on those paths (a normal step
+starts sharded), and it is local: optimizer steps change the master on every rank alike.
 """
 
 from __future__ import annotations
@@ -88,6 +98,7 @@ class Unit:
         self.training_state = TrainingState.IDLE
         self._views: list[torch.Tensor] | None = None
         self._views_version = 0
+        self._master_versions: tuple[int, ...] = ()
         self._pending_full: torch.Tensor | None = None
         self._pending_shard: torch.Tensor | None = None
         if flat.requires_grad:
@@ -98,15 +109,20 @@ class Unit:
     def unshard(self) -> None:
         if self.sharded_state is ShardedState.UNSHARDED:
             return
-        self.flat.writeback_params()
         self.flat.alloc_storage()
+        self._gather()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def _gather(self) -> None:
+        """Fill the allocated unsharded buffer from every rank's master shard."""
+        self.flat.writeback_params()
         if self.flat.aliases_master:
             pass
         elif self.groups.shard_size > 1:
             C.all_gather(self.flat.unsharded.data, self.flat.gather_input(), self.groups.shard)
         else:
             self.flat.unsharded.data.copy_(self.flat.sharded)
-        self.sharded_state = ShardedState.UNSHARDED
+        self._master_versions = self.flat.master_versions()
 
     def reshard(self) -> None:
         if self.sharded_state is ShardedState.SHARDED:
@@ -141,6 +157,9 @@ class Unit:
         if self.sharded_state is ShardedState.UNSHARDED and self._views is not None:
             # Already gathered with views installed (ZeRO-2 / root after an earlier forward of
             # this step): reuse them so every forward of the step feeds the same gradient.
+            # See [Note: stale gathers].
+            if self.flat.master_versions() != self._master_versions:
+                self._gather()
             self.training_state = TrainingState.FORWARD
             return
         self.unshard()
@@ -185,6 +204,12 @@ class Unit:
                     raise RuntimeError(self._changed_message(self.flat.layout.slots[i].name, "replaced"))
         if self.flat.unsharded._version != self._views_version:
             raise RuntimeError(self._changed_message(self._find_changed(), "changed in place"))
+        versions = self.flat.master_versions()
+        if versions != self._master_versions:  # see [Note: stale gathers]
+            moved = [i - 1 for i, (a, b) in enumerate(zip(versions, self._master_versions)) if a != b]
+            slots = self.flat.layout.slots
+            name = slots[moved[0]].name if moved[0] >= 0 else "one of " + ", ".join(s.name for s in slots)
+            raise RuntimeError(self._changed_message(name, "updated through the optimizer's parameters"))
 
     def _find_changed(self) -> str:
         """Name the first parameter whose gathered values left the master (agreed over the shard group)."""
@@ -208,9 +233,9 @@ class Unit:
     def _changed_message(self, name: str, how: str) -> str:
         return (
             f"parameter {name!r} of unit {self.name!r} was {how} between forward and backward; with "
-            "this strategy the unit keeps its gathered parameters until backward ends, so the change "
-            "would be lost or corrupt the gradient. Change parameters only after backward (e.g. in "
-            "the optimizer step), or use FULL_SHARD / HYBRID_SHARD"
+            "this unit keeps its gathered parameters until backward ends (ZeRO-2 units and the root "
+            "unit do), so the change would be lost or corrupt the gradient. Change parameters only "
+            "after backward (e.g. in the optimizer step), or use FULL_SHARD / HYBRID_SHARD for the unit"
         )
 
     def _post_backward(self, leaf: torch.Tensor) -> None:

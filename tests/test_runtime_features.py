@@ -119,6 +119,26 @@ def test_eval_and_two_forwards_one_backward(pool, strategy):
     assert all(pool.run(check_eval_and_repeated_forwards, strategy))
 
 
+def check_forward_without_backward_then_step(strategy):
+    """A gathered-and-kept unit must not serve stale values after the master changed."""
+    rank = dist.get_rank()
+    ref, model = RM.make_model(), RM.make_model()
+    _shard(model, strategy)
+    tokens = RM.batch(0, 0, rank, 2)
+    params = {"model": list(model.parameters()), "ref": list(ref.parameters())}  # as an optimizer holds them
+    model(tokens)  # gradients enabled, no backward: the root (and ZeRO-2 units) stay gathered
+    with torch.no_grad():
+        for p in params["model"] + params["ref"]:
+            p.mul_(0.5).add_(0.01)  # an optimizer-like in-place update of every parameter
+    torch.testing.assert_close(model(tokens).detach(), ref(tokens).detach(), atol=1e-5, rtol=1e-5)
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2", "NO_SHARD"])
+def test_forward_without_backward_then_update_uses_new_values(pool, strategy):
+    assert all(pool.run(check_forward_without_backward_then_step, strategy))
+
+
 def check_sync_module_states():
     model = RM.make_model(seed=dist.get_rank())  # different values on every rank
     _shard(model, sync_module_states=True)
@@ -136,11 +156,15 @@ def test_sync_module_states(pool):
 def check_zero2_mutation(how):
     model = RM.make_model()
     _shard(model, "HYBRID_SHARD_ZERO2")
+    params = dict(model.named_parameters())  # the original parameters, as an optimizer holds them
     tokens = RM.batch(0, 0, dist.get_rank(), 2)
     loss = RM.lm_loss(model(tokens), tokens)
     if how == "in_place":
         with torch.no_grad():
             model.blocks[0].fc1.weight.add_(1.0)
+    elif how == "optimizer":
+        with torch.no_grad():
+            params["blocks.0.fc1.bias"].add_(1.0)  # as an optimizer step would
     else:
         model.blocks[1].fc2.bias = nn.Parameter(torch.zeros(RM.DIM))
     try:
@@ -150,7 +174,9 @@ def check_zero2_mutation(how):
     return "no error"
 
 
-@pytest.mark.parametrize("how, name", [("in_place", "blocks.0.fc1.weight"), ("replace", "blocks.1.fc2.bias")])
+@pytest.mark.parametrize(
+    "how, name", [("in_place", "blocks.0.fc1.weight"), ("replace", "blocks.1.fc2.bias"), ("optimizer", "blocks.0.fc1.bias")]
+)
 def test_zero2_change_between_forward_and_backward_raises(pool, how, name):
     for message in pool.run(check_zero2_mutation, how):
         assert f"parameter {name!r}" in message and "between forward and backward" in message
