@@ -67,15 +67,26 @@ def _bad_sizes():
     from hybridshard.diagnostics.bandwidth import measure_bandwidth
 
     groups = hs.init_groups()
-    try:
-        measure_bandwidth(groups, sizes_bytes=(), iters=1)
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
+    messages = []
+    for kwargs in ({"sizes_bytes": (), "iters": 1}, {"sizes_bytes": (4096,), "iters": 0}):
+        try:
+            measure_bandwidth(groups, **kwargs)
+            messages.append("no error")
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
 
 
 def test_measure_rejects_bad_sizes(pool):
-    assert all("sizes_bytes" in msg for msg in pool.run(_bad_sizes))
+    for sizes_msg, iters_msg in pool.run(_bad_sizes):
+        assert "sizes_bytes must be a non-empty list" in sizes_msg and "iters must be >= 1, found 0" in iters_msg
+
+
+def test_measure_needs_a_process_group():
+    from hybridshard.diagnostics.bandwidth import measure_bandwidth
+
+    with pytest.raises(RuntimeError, match="needs an initialised default process group"):
+        measure_bandwidth(object())
 
 
 def _report(shard_times, replicate_times):

@@ -282,3 +282,12 @@ def test_bind_wrapper_errors():
         bind.cpus_for_this_rank({"HYBRIDSHARD_CPU_BINDING": "0", "LOCAL_RANK": "3"})
     with pytest.raises(ValueError, match="bind mode"):
         bind.exec_argv("shell", "x", [])
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--bind-numa", "--nproc-per-node", "auto", "t.py"], "needs a numeric --nproc-per-node, found 'auto'"),
+    (["--bind-numa", "--run-path", "t.py"], "cannot be combined with --run-path"),
+])
+def test_bind_numa_errors_exit_2(argv, fragment, capsys, monkeypatch):
+    rc, _, err = run_launch(argv, {}, four_gpus, capsys, monkeypatch)
+    assert rc == 2 and fragment in err

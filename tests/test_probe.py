@@ -377,6 +377,21 @@ def test_probe_rank_picks_visible_device_by_local_rank(tmp_path):
     assert (lone.rank, lone.local_rank, lone.world_size, lone.gpu_uuid, lone.visible_gpu_uuids) == (0, 0, 1, None, ())
 
 
+def test_gpu_without_uuid_keeps_its_cuda_ordinal(tmp_path):
+    # GPU 1's UUID query fails: ordinals must still count it, or every later one lands one GPU off.
+    data = load("dgx_h100_nvswitch")
+    u = [d["uuid"] for d in data["devices"]]
+    nvml = lambda: FakeNvml(data, fail={"uuid:1": "Unknown Error"})  # noqa: E731
+    for env, index in (({"LOCAL_RANK": "2"}, 2), ({"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "2"}, 2),
+                       ({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "0,3"}, 3)):
+        probe = probe_rank(nvml=nvml(), env=env, sysfs_root=tmp_path)
+        assert probe.gpu_uuid == u[index], env
+    gone = probe_rank(nvml=nvml(), env={"LOCAL_RANK": "1"}, sysfs_root=tmp_path)
+    assert gone.gpu_uuid is None and gone.visible_gpu_uuids == (u[0], None, *u[2:])
+    visible, problems = resolve_visible_devices("1,2", gone.node.gpus)
+    assert visible == (None, u[2]) and len(problems) == 1 and "GPU 1, whose UUID NVML did not report" in problems[0]
+
+
 @pytest.mark.parametrize(
     "kwargs, env, match",
     [

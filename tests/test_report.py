@@ -159,6 +159,22 @@ def test_visible_devices_differ(nodes):
     assert cluster_findings(one_each) == () and cluster_findings(same) == ()
 
 
+def test_same_devices_spelled_differently_do_not_differ(nodes):
+    # Unset, the full ordinal list and the same GPUs by (prefix of) UUID all name one device list.
+    uuids = [g.uuid for g in nodes["dgx0"].gpus]
+    for other in ("0,1,2,3,4,5,6,7", ",".join(uuids), ",".join(u[:12] for u in uuids)):
+        assert cluster_findings(two_dgx(nodes, cvd=[None] * 7 + [other])) == (), other
+
+
+def test_gpu_not_visible_names_a_gpu_without_uuid(nodes):
+    node = nodes["dgx0"]
+    gpus = tuple(dataclasses.replace(g, uuid=None) if g.index == 1 else g for g in node.gpus)
+    node = dataclasses.replace(node, gpus=gpus)
+    found = cluster_findings(assemble_cluster(ranks_on(node, range(8), 8)))
+    assert codes(found) == ["gpu_not_visible"] and "rank 1: CUDA_VISIBLE_DEVICES=<unset>" in found[0].message
+    assert "NVML reported no UUID for GPU 1" in found[0].message
+
+
 def test_gpu_not_visible_and_not_on_node(nodes):
     hidden = two_dgx(nodes, cvd=[""] + ["0,1,2,3,4,5,6,7"] * 7)
     found = cluster_findings(hidden)

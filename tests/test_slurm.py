@@ -78,3 +78,23 @@ def test_outside_slurm():
 def test_slurm_env_errors(env, fragment):
     with pytest.raises(ValueError, match=fragment):
         slurm_from_env(env, scontrol=NO_SCONTROL)
+
+
+def test_sbatch_script_gives_srun_the_jobs_cpus(tmp_path):
+    # A stand-in srun that prints its argv: the step must ask for the job's CPUs per task explicitly.
+    import os
+    import subprocess
+    from pathlib import Path
+
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    srun.chmod(0o755)
+    script = Path(__file__).resolve().parents[1] / "launch" / "slurm.sbatch"
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SLURM_CPUS_PER_TASK": "64"}
+    args = subprocess.run(["bash", str(script), "train.py", "--steps", "3"], env=env, capture_output=True,
+                          text=True, timeout=30, check=True).stdout.splitlines()
+    assert "--cpus-per-task=64" in args and args[-4:] == ["--", "train.py", "--steps", "3"]
+    env.pop("SLURM_CPUS_PER_TASK")
+    args = subprocess.run(["bash", str(script), "train.py"], env=env, capture_output=True, text=True, timeout=30,
+                          check=True).stdout.splitlines()
+    assert not any(a.startswith("--cpus-per-task") for a in args) and args[-2:] == ["--", "train.py"]

@@ -11,7 +11,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from topology.records import ClusterNode, ClusterView, RankEntry
+from topology.records import ClusterNode, ClusterView, GpuInfo, RankEntry
+from topology.visible import resolve_visible_devices
 
 __all__ = ["CODES", "Finding", "Level", "cluster_findings", "format_ranges", "has_errors"]
 
@@ -154,12 +155,17 @@ def _visible_devices(node: ClusterNode) -> list[Finding]:
     lost = [r for r in node.ranks if r.gpu_uuid is None]
     if lost:
         shown = [f"rank {r.rank}: CUDA_VISIBLE_DEVICES={_cvd(r)}" for r in lost]
+        nameless = [g.index for g in node.probe.gpus if not g.uuid]
+        why = (
+            f" NVML reported no UUID for GPU {format_ranges(nameless)}, so a rank on it cannot be identified:"
+            " fix the driver fault or hide that GPU." if nameless else ""
+        )
         out.append(
             Finding(
                 Level.ERROR,
                 "gpu_not_visible",
-                f"node {node.name!r} has {node.probe.num_gpus} GPUs but these ranks can use none of them "
-                f"({_listed(shown)}). Fix or unset CUDA_VISIBLE_DEVICES for them.",
+                f"node {node.name!r} has {node.probe.num_gpus} GPUs but these ranks use none of them that "
+                f"discovery can name ({_listed(shown)}). Fix or unset CUDA_VISIBLE_DEVICES for them.{why}",
             )
         )
     unknown = [r for r in node.ranks if r.gpu_uuid is not None and r.gpu_index is None]
@@ -173,7 +179,7 @@ def _visible_devices(node: ClusterNode) -> list[Finding]:
                 "hosts may share the node name. Give every host a distinct HYBRIDSHARD_NODE_NAME or hostname.",
             )
         )
-    values = {_norm(r.cuda_visible_devices) for r in node.ranks}
+    values = {_device_list(r, node.probe.gpus) for r in node.ranks}
     one_each = all(_entries(r) == 1 for r in node.ranks) and len({r.gpu_uuid for r in node.ranks}) == len(node.ranks)
     if len(values) > 1 and not one_each:
         shown = [f"rank {r.rank}: {_cvd(r)}" for r in node.ranks]
@@ -235,6 +241,13 @@ def _shared_gpus(cluster: ClusterView) -> list[Finding]:
 
 def _norm(value: str | None) -> str | None:
     return None if value is None else ",".join(e.strip() for e in value.split(","))
+
+
+def _device_list(r: RankEntry, gpus: Sequence[GpuInfo]) -> tuple[str | None, ...]:
+    """The GPUs ``r`` sees, in CUDA ordinal order, so ``"0,1"``, unset and the same GPUs named by UUID
+    compare equal; the raw text when it does not resolve cleanly (e.g. MIG ids)."""
+    visible, problems = resolve_visible_devices(r.cuda_visible_devices, gpus)
+    return (None, _norm(r.cuda_visible_devices)) if problems else visible
 
 
 def _entries(r: RankEntry) -> int:

@@ -216,8 +216,9 @@ class RankProbe:
     local_rank: int
     world_size: int
     node: NodeProbe
-    visible_gpu_uuids: tuple[str, ...] = ()
-    """UUIDs of the GPUs this process may use, in CUDA ordinal order (``CUDA_VISIBLE_DEVICES`` applied)."""
+    visible_gpu_uuids: tuple[str | None, ...] = ()
+    """UUIDs of the GPUs this process may use, in CUDA ordinal order (``CUDA_VISIBLE_DEVICES`` applied);
+    ``None`` keeps the ordinal of a GPU whose UUID could not be read."""
     cuda_visible_devices: str | None = None
     """The raw ``CUDA_VISIBLE_DEVICES`` value of this rank, or ``None`` when unset."""
     gpu_uuid: str | None = None

@@ -11,6 +11,8 @@ visible device by its UUID.
   ``MIG-GPU-<gpu uuid>/<gi>/<ci>``). A MIG instance maps to the GPU it lives on.
 * CUDA stops at the first entry it cannot use (unknown, out of range, or a repeat) and ignores the
   rest, so ``"0,1,-1,2"`` shows two devices and ``"-1"`` shows none. We do the same and report why.
+* A GPU whose UUID NVML did not report keeps its ordinal (``None`` in the list), so later ordinals
+  still name the right GPUs; a rank on it cannot be identified and is reported.
 * Integer ordinals are taken in NVML order (PCI bus order). CUDA uses the same order when
   ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; its default, ``FASTEST_FIRST``, only differs on nodes that mix
   GPU models. UUIDs are never ambiguous, which is why launchers that pin GPUs should prefer them.
@@ -32,32 +34,43 @@ def resolve_visible_devices(
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(visible GPU UUIDs in CUDA ordinal order, problems)``; see [Note: CUDA_VISIBLE_DEVICES].
 
-    ``problems`` explains entries CUDA would stop at; it is empty for a clean value.
+    ``problems`` explains entries CUDA would stop at, and visible GPUs whose UUID NVML did not report
+    (``None`` in the list, in their place); it is empty for a clean value.
     """
-    ordered = [g.uuid for g in sorted(gpus, key=lambda g: g.index) if g.uuid]
-    if value is None:
-        return tuple(ordered), ()
+    # Ordinal k is the k-th GPU by NVML index, whether or not NVML told us its UUID: skipping a GPU
+    # without one would shift every later ordinal (and the rank's cuda:N) onto the wrong GPU. Such a
+    # GPU keeps its place as ``None``; CUDA still shows it, so the list goes on.
+    ordered: list[str | None] = [g.uuid or None for g in sorted(gpus, key=lambda g: g.index)]
     mig_parents = dict(mig_parents or {})
-    visible: list[str] = []
-    entries = [e.strip() for e in value.split(",")] if value.strip() else []
+    visible: list[str | None] = []
+    notes: list[str] = []
+    if value is None:
+        entries = [str(k) for k in range(len(ordered))]
+    else:
+        entries = [e.strip() for e in value.split(",")] if value.strip() else []
     for pos, entry in enumerate(entries):
         uuid, problem = _resolve_entry(entry, ordered, mig_parents)
-        if problem is None and uuid in visible:
+        if problem is None and uuid is not None and uuid in visible:
             problem = f"{entry!r} repeats a device already listed"
         if problem is not None:
             ignored = entries[pos + 1 :]
             tail = f"; CUDA also ignores the entries after it: {','.join(ignored)}" if ignored else ""
-            return tuple(visible), (f"entry {pos} {problem}{tail}",)
-        visible.append(uuid)  # type: ignore[arg-type]
-    return tuple(visible), ()
+            return tuple(visible), (*notes, f"entry {pos} {problem}{tail}")  # type: ignore[return-value]
+        if uuid is None:
+            notes.append(f"CUDA device {pos} is GPU {entry}, whose UUID NVML did not report; a rank on it "
+                         "cannot be identified (see the node's unavailable facts, or hide that GPU)")
+        visible.append(uuid)
+    return tuple(visible), tuple(notes)  # type: ignore[return-value]
 
 
-def _resolve_entry(entry: str, ordered: list[str], mig_parents: dict[str, str]) -> tuple[str | None, str | None]:
+def _resolve_entry(
+    entry: str, ordered: list[str | None], mig_parents: dict[str, str]
+) -> tuple[str | None, str | None]:
     if entry.lstrip("+-").isdigit():
         ordinal = int(entry)
-        if 0 <= ordinal < len(ordered):
-            return ordered[ordinal], None
-        return None, f"{entry!r} is not a GPU ordinal of this node (it has {len(ordered)} GPUs)"
+        if not 0 <= ordinal < len(ordered):
+            return None, f"{entry!r} is not a GPU ordinal of this node (it has {len(ordered)} GPUs)"
+        return ordered[ordinal], None  # None: a GPU without a reported UUID, kept in its place
     upper = entry.upper()
     if upper.startswith("MIG-GPU-"):  # MIG-GPU-<gpu uuid>/<gi>/<ci>
         return _by_prefix(entry, entry[4:].split("/", 1)[0], ordered, "GPU")
@@ -72,8 +85,8 @@ def _resolve_entry(entry: str, ordered: list[str], mig_parents: dict[str, str]) 
     return None, f"{entry!r} is neither an ordinal, a GPU UUID nor a MIG UUID"
 
 
-def _by_prefix(entry: str, prefix: str, ordered: list[str], kind: str) -> tuple[str | None, str | None]:
-    matches = [u for u in ordered if u.upper().startswith(prefix.upper())]
+def _by_prefix(entry: str, prefix: str, ordered: list[str | None], kind: str) -> tuple[str | None, str | None]:
+    matches = [u for u in ordered if u and u.upper().startswith(prefix.upper())]
     if len(matches) == 1:
         return matches[0], None
     if not matches:
