@@ -82,7 +82,9 @@ def test_node_report_nvswitch(nodes):
     gpu0_row = next(l for l in text.splitlines() if l.strip().startswith("GPU0 ") and "NV18" in l)
     assert gpu0_row.split()[1:10] == ["X"] + ["NV18"] * 7 + ["0-55,112-167"]
     assert MATRIX_LEGEND.splitlines()[1].strip() in text
-    assert "fabric: unavailable: Not Supported" in text  # per-GPU missing facts are shown, not hidden
+    # Per-GPU missing facts are shown, not hidden, once per (fact, reason) with the GPUs it concerns.
+    assert text.count("fabric: unavailable: Not Supported") == 1
+    assert "  GPUs 0-7: fabric: unavailable: Not Supported" in text
     assert "0     0-55,112-167" in text  # NUMA table
 
 

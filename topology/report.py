@@ -134,10 +134,15 @@ def _render_gpus(probe: NodeProbe) -> list[str]:
             for g in probe.gpus
         ],
     )
+    # One line per (fact, reason), naming the GPUs it applies to: an 8-GPU node whose fabric query
+    # is unsupported says so once, not eight times.
+    gpus_by_miss: dict[tuple[str, str], list[int]] = {}
     for g in probe.gpus:
-        if g.unavailable:
-            lines.append(f"  GPU {g.index}:")
-            lines += _unavailable(g.unavailable_map, indent="    ")
+        for fact, reason in g.unavailable:
+            gpus_by_miss.setdefault((fact, reason), []).append(g.index)
+    for (fact, reason), indices in sorted(gpus_by_miss.items()):
+        which = f"GPU {indices[0]}" if len(indices) == 1 else f"GPUs {format_ranges(indices)}"
+        lines.append(f"  {which}: {fact}: unavailable: {reason}")
     clusters = {(g.fabric_cluster_uuid, g.fabric_clique_id) for g in probe.gpus if g.fabric_cluster_uuid}
     for uuid, clique in sorted(clusters, key=str):
         lines.append(f"  multi-node NVLink: fabric cluster {uuid}, clique {clique}")
