@@ -40,3 +40,20 @@ def test_plan_errors_exit_non_zero_with_reason(tmp_path, capsys):
     assert "expected a cluster view" in capsys.readouterr().err
     assert main(["plan", "--from", str(tmp_path / "missing.json")]) == 2
     assert "expected a readable JSON cluster view" in capsys.readouterr().err
+
+
+def test_plan_output_cut_short_by_the_reader_is_not_an_error(tmp_path):
+    import subprocess
+    import sys
+
+    # `| head -1`: the reader closes the pipe after one line; the command must not print a traceback.
+    # 2048 nodes as JSON is far more than a pipe buffer, so the write after `head` exits must fail.
+    cmd = f"{sys.executable} -m hybridshard plan --nodes 2048 --gpus-per-node 8 --json | head -1"
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "{\n"
+    assert "Traceback" not in done.stderr and done.returncode == 0, done.stderr
+
+
+def test_plan_single_replica_wording(capsys):
+    assert main(["plan", "--nodes", "1", "--gpus-per-node", "2"]) == 0
+    assert "world size 2 = 1 replica x shard size 2" in capsys.readouterr().out

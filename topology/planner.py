@@ -274,7 +274,8 @@ def format_plan(plan: GroupPlan, *, max_rows: int = 16) -> str:
         return out
 
     lines = [
-        f"plan: world size {plan.world_size} = {plan.replicate_size} replicas x shard size {plan.shard_size} "
+        f"plan: world size {plan.world_size} = {plan.replicate_size} replica{'s' if plan.replicate_size != 1 else ''}"
+        f" x shard size {plan.shard_size} "
         f"(domain: {plan.domain})"
     ]
     lines += rows("shard groups", plan.shard_groups, plan.shard_group_domains)
