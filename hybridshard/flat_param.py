@@ -49,7 +49,9 @@ class FlatParam:
         self.sharded = full_flat[start:end].clone()
         self.compute_dtype = compute_dtype
         self.grad_dtype = grad_dtype
-        self.requires_grad = any(p.requires_grad for p in params)
+        # The leaf requires grad even when every parameter is frozen now: a parameter unfrozen after
+        # shard() must still get gradients (frozen views are cut from the graph in unsharded_views).
+        self.requires_grad = self.sharded.is_floating_point()
         # A single-rank shard group computing in the master dtype needs no second copy: the
         # "unsharded" buffer is the master itself and is never freed.
         self.aliases_master = layout.shard_size == 1 and compute_dtype == self.sharded.dtype
@@ -63,7 +65,7 @@ class FlatParam:
         self.sharded_grad: torch.Tensor | None = None
         for p in self.params:
             # keep_low_precision_grads: a bf16 .grad next to an fp32 parameter (checked in shard()).
-            if p.requires_grad and grad_dtype != self.sharded.dtype:
+            if grad_dtype != self.sharded.dtype:  # frozen ones too: they may be unfrozen later
                 p.grad_dtype = grad_dtype
         self.use_sharded_params()
 

@@ -7,6 +7,12 @@ its pre-hook runs first and casts floating inputs to ``param_dtype`` under mixed
 first backward hook of a step queues one engine callback that, once the whole backward is done,
 reduces what no gradient hook reduced (units whose parameters got no gradient this step) and
 frees every buffer still gathered.
+
+A backward that raises (an out-of-memory error in a skipped batch, say) never runs that callback.
+The next forward or backward notices (the callback is still marked queued, but for a backward that
+is no longer running), drops that backward's unreduced gradients, frees every buffer and returns
+every unit to ``IDLE``; gradients reduced before the error stay in ``.grad`` (zero them to skip
+the batch), and gradients held by ``no_sync`` from earlier micro-batches stay held.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class Runtime:
         self.sync_mode = SyncMode.SYNC
         self.in_backward = False
         self._callback_queued = False
+        self._callback_task = -1
         self._handles: list[Any] = []
 
     @property
@@ -73,6 +80,8 @@ class Runtime:
         param_dtype = self.mixed_precision.param_dtype if self.mixed_precision else None
 
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+            if is_root and self._callback_queued and _graph_task() == -1:
+                self._recover_aborted_backward()
             unit.pre_forward()
             if is_root and param_dtype is not None and not self.in_backward:
                 cast = lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
@@ -89,10 +98,22 @@ class Runtime:
 
     def on_backward_hook(self) -> None:
         """Called by every unit backward hook; the first one of a backward queues the final callback."""
+        task = _graph_task()
+        if self._callback_queued and task != self._callback_task:
+            self._recover_aborted_backward()
         self.in_backward = True
         if not self._callback_queued:
             self._callback_queued = True
+            self._callback_task = task
             Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _recover_aborted_backward(self) -> None:
+        """Undo what a backward that raised left behind; see [Note: hook wiring]."""
+        logger.warning("an earlier backward did not finish (it raised?): freeing its gathered parameters")
+        for unit in self.units:
+            unit.abort_backward()
+        self.in_backward = False
+        self._callback_queued = False
 
     def _finish_backward(self) -> None:
         try:
@@ -101,6 +122,11 @@ class Runtime:
         finally:
             self.in_backward = False
             self._callback_queued = False
+
+
+def _graph_task() -> int:
+    """The id of the backward running on this thread, -1 outside backward."""
+    return torch._C._current_graph_task_id()
 
 
 def get_runtime(model: nn.Module) -> Runtime:
@@ -122,7 +148,8 @@ def no_sync(model: nn.Module, *, reduce_scatter: bool = False) -> Iterator[None]
     reduce-scatters inside the shard group (only gradient shards are kept, as in a normal step) and
     only the all-reduce across the replicate group waits for the backward after the block, which
     divides the cross-group traffic by the number of micro-batches. Either way the result equals
-    one backward over the concatenated micro-batches.
+    one backward over the concatenated micro-batches. What the block holds joins ``.grad`` at that
+    next backward; ``optimizer.zero_grad()`` before it does not clear it.
     """
     runtime = get_runtime(model)
     if runtime.sync_mode is not SyncMode.SYNC:

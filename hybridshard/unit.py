@@ -255,6 +255,12 @@ class Unit:
         self.reshard()
         self.training_state = TrainingState.IDLE
 
+    def abort_backward(self) -> None:
+        """After a backward that raised: drop its unreduced gradient, free the buffer, go back to IDLE."""
+        self.flat.unsharded.grad = None
+        self.reshard()
+        self.training_state = TrainingState.IDLE
+
     # -- gradient reduction ----------------------------------------------------------------------
 
     def reduce_grad(self, grad: torch.Tensor | None, mode: SyncMode) -> None:

@@ -226,3 +226,74 @@ def check_bad_input(case):
 def test_bad_input(pool, case, expected):
     for message in pool.run(check_bad_input, case, timeout=20):
         assert expected in message, message
+
+
+def _grads_match_reference(model, ref):
+    """Every parameter's sharded ``.grad`` equals the reference's (same batch on every rank)."""
+    ref_grads = dict((n, p.grad) for n, p in ref.named_parameters())
+    for unit in model._hybridshard_runtime.units:
+        for slot, part, p in zip(unit.flat.layout.slots, unit.flat.local, unit.flat.params):
+            want = ref_grads[slot.name]
+            assert (p.grad is None) == (want is None), (slot.name, p.grad, want)
+            if want is not None:
+                want = want.reshape(-1)[part.param_start : part.param_start + part.numel]
+                torch.testing.assert_close(p.grad, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{slot.name}: {m}")
+
+
+def check_unfrozen_after_shard(strategy):
+    """A unit whose parameters were all frozen at ``shard`` time gets gradients once unfrozen."""
+    ref, model = RM.make_model(), RM.make_model()
+    for m in (ref, model):
+        m.blocks[0].requires_grad_(False)
+    _shard(model, strategy)
+    for m in (ref, model):
+        m.blocks[0].fc1.requires_grad_(True)
+    tokens = RM.batch(0, 0, 0, 2)
+    for m in (ref, model):
+        RM.lm_loss(m(tokens), tokens).backward()
+    _grads_match_reference(model, ref)
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD_ZERO2"])
+def test_unit_frozen_at_shard_then_unfrozen_gets_gradients(pool, strategy):
+    assert all(pool.run(check_unfrozen_after_shard, strategy))
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("simulated failure in backward")
+
+
+def check_backward_that_raises(strategy):
+    """A backward that raises half-way (a skipped batch) leaves the model usable for the next step."""
+    ref, model = RM.make_model(), RM.make_model()
+    _shard(model, strategy)
+    tokens = RM.batch(0, 0, 0, 2)
+    handle = model.blocks[0].register_forward_hook(lambda mod, args, out: _FailInBackward.apply(out))
+    out = model(tokens)
+    handle.remove()
+    try:
+        RM.lm_loss(out, tokens).backward()  # blocks.1 and the root reduce, then blocks.0 raises
+    except RuntimeError as e:
+        assert "simulated failure" in str(e)
+    else:
+        raise AssertionError("backward did not raise")
+    model.zero_grad(set_to_none=True)
+    for m in (ref, model):
+        RM.lm_loss(m(tokens), tokens).backward()
+    _grads_match_reference(model, ref)
+    runtime = model._hybridshard_runtime
+    assert not runtime.in_backward
+    assert all(u.sharded_state is hs.ShardedState.SHARDED and u.training_state is hs.TrainingState.IDLE for u in runtime.units)
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD_ZERO2", "NO_SHARD"])
+def test_backward_that_raises_then_next_step(pool, strategy):
+    assert all(pool.run(check_backward_that_raises, strategy))
