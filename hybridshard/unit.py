@@ -116,8 +116,8 @@ class Unit:
     def _gather(self) -> None:
         """Fill the allocated unsharded buffer from every rank's master shard."""
         self.flat.writeback_params()
-        if self.flat.aliases_master:
-            pass
+        if self.flat.aliases_master or not self.flat.layout.slots:
+            pass  # nothing to gather: the master is the buffer, or the unit owns no parameter
         elif self.groups.shard_size > 1:
             C.all_gather(self.flat.unsharded.data, self.flat.gather_input(), self.groups.shard)
         else:

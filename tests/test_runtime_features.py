@@ -182,6 +182,28 @@ def test_zero2_change_between_forward_and_backward_raises(pool, how, name):
         assert f"parameter {name!r}" in message and "between forward and backward" in message
 
 
+def check_root_without_parameters_and_nan_model():
+    """A root owning no parameter gathers nothing; a NaN parameter on every rank is not a difference."""
+    torch.manual_seed(0)
+    model = nn.Sequential(RM.Block(), RM.Block())
+    _shard(model, "FULL_SHARD")
+    x = torch.randn(2, 4, RM.DIM)
+    with hs.count_collectives() as counts:
+        model(x).sum().backward()
+    gathers = counts.get("all_gather", "world")
+    torch.manual_seed(0)
+    nan_model = nn.Sequential(RM.Block(), RM.Block())
+    with torch.no_grad():
+        nan_model[0].fc1.bias[0] = float("nan")
+    _shard(nan_model, "FULL_SHARD")  # must not claim that the ranks differ
+    return gathers
+
+
+def test_root_without_parameters_gathers_nothing_and_nan_is_not_a_difference(pool):
+    # Two ZeRO-3 blocks, each gathered for forward and again for backward; the empty root adds none.
+    assert pool.run(check_root_without_parameters_and_nan_model) == [4] * 4
+
+
 def check_bad_input(case):
     model = RM.make_model()
     try:
