@@ -1,8 +1,36 @@
 """Recorded NVML answers: :class:`FakeNvml` serves them, :func:`record` writes them.
 
-The format (``"hybridshard-nvml/1"``) is documented at the top of :mod:`topology.nvml`. Fixtures in
-``tests/fixtures/nvml`` use it; ``python -m topology.nvml record -o FILE`` saves a real machine's
-answers in it, so what a GPU machine reports can become a test fixture.
+Fixtures in ``tests/fixtures/nvml`` use the format below; ``python -m topology.nvml record -o FILE`` saves a
+real machine's answers in it, so what a GPU machine reports can become a test fixture.
+
+Recorded-answer format (``"format": "hybridshard-nvml/1"``), written by ``python -m topology.nvml
+record`` and served by :class:`topology.nvml_recorded.FakeNvml`. Any answer may be replaced by
+``{"error": "<reason>"}``::
+
+    {
+      "format": "hybridshard-nvml/1",
+      "description": "free text",
+      "init_error": null,                        # or the reason NVML could not start
+      "system": {"driver_version": "550.54.15", "nvml_version": "12.550.54.15",
+                 "cuda_driver_version": 12040},
+      "devices": [                               # NVML index order
+        {"name": "NVIDIA H100 80GB HBM3",
+         "uuid": "GPU-....",
+         "pci_bus_id": "00000000:1B:00.0",
+         "memory_total": 85520809984,            # bytes
+         "cpu_affinity": ["0x00ffffffffffffff", ...],   # nvmlDeviceGetCpuAffinity words, low first
+         "memory_affinity": ["0x1"],             # nvmlDeviceGetMemoryAffinity(scope NODE) words
+         "nvlinks": [                            # links 0..n-1; the first link NVML refuses ends the list
+           {"state": 1, "remote_pci_bus_id": "00000000:05:00.0", "remote_type": 2}, ...],
+         "fabric": {"cluster_uuid": "....", "clique_id": 32766, "state": 3, "status": 0},
+         "mig_devices": ["MIG-...."]},           # UUIDs of MIG instances (empty when MIG is off)
+        ...],
+      "topology": [[null, 40, ...], ...]         # nvmlDeviceGetTopologyCommonAncestor levels
+    }
+
+``remote_type`` and topology levels are NVML's numbers (``NVML_NVLINK_DEVICE_TYPE_*``:
+0 GPU, 1 IBMNPU, 2 SWITCH, 255 UNKNOWN; ``NVML_TOPOLOGY_*``: 0 INTERNAL, 10 SINGLE, 20 MULTIPLE,
+30 HOSTBRIDGE, 40 NODE, 50 SYSTEM). An inactive link has no remote fields.
 """
 
 from __future__ import annotations
