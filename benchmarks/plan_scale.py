@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from topology.planner import plan_groups
-from topology.synthetic import synthetic_cluster
+from hybridshard.topology.planner import plan_groups
+from hybridshard.topology.synthetic import synthetic_cluster
 
 
 def main() -> None:

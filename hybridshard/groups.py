@@ -7,10 +7,10 @@ import logging
 import torch
 import torch.distributed as dist
 
-from topology.cluster import gather_cluster
-from topology.groups import ShardGroups, build_groups
-from topology.planner import plan_groups
-from topology.records import RankProbe
+from hybridshard.topology.cluster import gather_cluster
+from hybridshard.topology.groups import ShardGroups, build_groups
+from hybridshard.topology.planner import plan_groups
+from hybridshard.topology.records import RankProbe
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def init_groups(*, shard_size: int | None = None, domain: str = "node") -> Shard
             "init_groups needs an initialised default process group: call "
             "torch.distributed.init_process_group() first (under torchrun or `hybridshard launch`)"
         )
-    from topology.probe import probe_rank
+    from hybridshard.topology.probe import probe_rank
 
     probe = probe_rank(rank=dist.get_rank(), world_size=dist.get_world_size())
     device = local_device(probe)

@@ -13,9 +13,9 @@ from hybridshard.launcher import bind
 from hybridshard.launcher.command import EntryMode, make_entry
 from hybridshard.launcher.numa import compute_binding, format_cpulist, parse_cpulist
 from hybridshard.launcher.settings import LaunchOptions, Source, resolve_settings, slurm_port
-from topology.nvml import FakeNvml
-from topology.probe import probe_node, probe_rank
-from topology.records import NumaNode
+from hybridshard.topology.nvml import FakeNvml
+from hybridshard.topology.probe import probe_node, probe_rank
+from hybridshard.topology.records import NumaNode
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "nvml")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

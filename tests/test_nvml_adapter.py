@@ -11,8 +11,8 @@ import types
 
 import pytest
 
-from topology.nvml_recorded import FakeNvml, record
-from topology.probe import probe_node
+from hybridshard.topology.nvml_recorded import FakeNvml, record
+from hybridshard.topology.probe import probe_node
 
 
 def _stand_in_pynvml():
@@ -78,7 +78,7 @@ def _stand_in_pynvml():
 
 
 def test_pynvml_source_adapts_the_bindings(monkeypatch, tmp_path):
-    from topology.nvml import PynvmlSource
+    from hybridshard.topology.nvml import PynvmlSource
 
     monkeypatch.setitem(sys.modules, "pynvml", _stand_in_pynvml())
     node = probe_node(PynvmlSource(), sysfs_root=tmp_path)
@@ -105,7 +105,7 @@ def test_pynvml_source_adapts_the_bindings(monkeypatch, tmp_path):
 def test_pynvml_source_without_library(monkeypatch, tmp_path):
     import pynvml as real
 
-    from topology.nvml import NvmlUnavailable, PynvmlSource
+    from hybridshard.topology.nvml import NvmlUnavailable, PynvmlSource
 
     def no_library():
         raise real.NVMLError(real.NVML_ERROR_LIBRARY_NOT_FOUND)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from hybridshard.cli import main
-from topology.synthetic import synthetic_cluster
+from hybridshard.topology.synthetic import synthetic_cluster
 
 
 def test_plan_text_for_cyclic_cluster(capsys):

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from topology.cluster import assemble_cluster
-from topology.planner import GroupPlan, find_domains, plan_groups
-from topology.records import ClusterView, RankProbe
-from topology.synthetic import rank_order, synthetic_cluster, synthetic_node
+from hybridshard.topology.cluster import assemble_cluster
+from hybridshard.topology.planner import GroupPlan, find_domains, plan_groups
+from hybridshard.topology.records import ClusterView, RankProbe
+from hybridshard.topology.synthetic import rank_order, synthetic_cluster, synthetic_node
 
 
 def _same_node_groups(cluster: ClusterView) -> set[tuple[int, ...]]:

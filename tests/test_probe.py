@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from topology.nvml import NvmlSource, bits_from_words, normalize_pci_bus_id
-from topology.nvml_recorded import FakeNvml, record
-from topology.probe import count_sockets, node_name, parse_cpu_list, probe_nics, probe_node, probe_numa, probe_rank
-from topology.records import NodeProbe, RankProbe
-from topology.visible import resolve_visible_devices
+from hybridshard.topology.nvml import NvmlSource, bits_from_words, normalize_pci_bus_id
+from hybridshard.topology.nvml_recorded import FakeNvml, record
+from hybridshard.topology.probe import count_sockets, node_name, parse_cpu_list, probe_nics, probe_node, probe_numa, probe_rank
+from hybridshard.topology.records import NodeProbe, RankProbe
+from hybridshard.topology.visible import resolve_visible_devices
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvml"
 FIXTURE_NAMES = ("dgx_h100_nvswitch", "pcie_nvlink_pairs", "gb200_nvl72_node", "no_nvml")
@@ -42,7 +42,7 @@ def fake(name: str, **fail: str) -> FakeNvml:
 
 
 def _cpulist(cpus) -> str:
-    from topology.findings import format_ranges
+    from hybridshard.topology.findings import format_ranges
 
     return format_ranges(cpus)
 
@@ -233,7 +233,7 @@ def test_fake_nvml_rejects_unknown_format():
 def test_recorder_cli_on_this_machine(tmp_path):
     out = tmp_path / "rec.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "topology.nvml", "record", "-o", str(out), "--description", "this host"],
+        [sys.executable, "-m", "hybridshard.topology.nvml", "record", "-o", str(out), "--description", "this host"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -408,9 +408,9 @@ def test_probe_rank_rejects_bad_placement(kwargs, env, match, tmp_path):
 def test_fake_nvml_is_an_nvml_source():
     # The probe only relies on the interface; the fake must implement all of it.
     assert isinstance(fake("no_nvml"), NvmlSource)
-    import topology.nvml as nvml
+    import hybridshard.topology.nvml as nvml
 
-    assert nvml.FakeNvml is FakeNvml and nvml.record is record  # also importable from topology.nvml
+    assert nvml.FakeNvml is FakeNvml and nvml.record is record  # also importable from hybridshard.topology.nvml
     with pytest.raises(AttributeError):
         nvml.NoSuchThing  # noqa: B018
     data = copy.deepcopy(load("gb200_nvl72_node"))

@@ -8,12 +8,12 @@ import json
 import pytest
 
 from tests.test_probe import HOST_NUMA, fixture_node, load
-from topology.cluster import assemble_cluster
-from topology.findings import CODES, Finding, Level, cluster_findings, format_ranges, has_errors
-from topology.planner import GroupPlan, plan_groups
-from topology.records import ClusterView, NodeProbe, RankProbe
-from topology.report import MATRIX_LEGEND, cluster_report_dict, render_cluster, render_node
-from topology.visible import resolve_visible_devices
+from hybridshard.topology.cluster import assemble_cluster
+from hybridshard.topology.findings import CODES, Finding, Level, cluster_findings, format_ranges, has_errors
+from hybridshard.topology.planner import GroupPlan, plan_groups
+from hybridshard.topology.records import ClusterView, NodeProbe, RankProbe
+from hybridshard.topology.report import MATRIX_LEGEND, cluster_report_dict, render_cluster, render_node
+from hybridshard.topology.visible import resolve_visible_devices
 
 
 @pytest.fixture(scope="module")

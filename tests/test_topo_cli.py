@@ -17,7 +17,7 @@ import pytest
 
 from hybridshard.commands import topo
 from tests.mp import RankPool, node_placement
-from topology.probe import probe_node
+from hybridshard.topology.probe import probe_node
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_VARS = (

@@ -1,11 +1,11 @@
 """Topology discovery and group planning for hybrid sharding.
 
-probe one node (:mod:`topology.probe`) -> gather every rank's probe (:mod:`topology.cluster`) ->
-plan shard and replicate groups (:mod:`topology.planner`, a pure function) -> build the
-``torch.distributed`` groups and a 2-D ``DeviceMesh`` (:mod:`topology.groups`).
+probe one node (:mod:`hybridshard.topology.probe`) -> gather every rank's probe (:mod:`hybridshard.topology.cluster`) ->
+plan shard and replicate groups (:mod:`hybridshard.topology.planner`, a pure function) -> build the
+``torch.distributed`` groups and a 2-D ``DeviceMesh`` (:mod:`hybridshard.topology.groups`).
 """
 
-from topology.records import (
+from hybridshard.topology.records import (
     ClusterNode,
     ClusterView,
     GpuInfo,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from topology.records import ClusterNode, ClusterView, RankEntry, RankProbe
+from hybridshard.topology.records import ClusterNode, ClusterView, RankEntry, RankProbe
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def gather_cluster(rank_probe: RankProbe | None = None, group=None) -> ClusterVi
             "torch.distributed.init_process_group() first (torchrun sets the environment for it)"
         )
     if rank_probe is None:
-        from topology.probe import probe_rank
+        from hybridshard.topology.probe import probe_rank
 
         rank_probe = probe_rank(rank=dist.get_rank(), world_size=dist.get_world_size())
     gathered: list = [None] * dist.get_world_size(group)

@@ -1,6 +1,6 @@
 """Judge a cluster view: what will hurt a job before it burns hours.
 
-:func:`cluster_findings` is pure: a :class:`~topology.records.ClusterView` (and the plan, or the
+:func:`cluster_findings` is pure: a :class:`~hybridshard.topology.records.ClusterView` (and the plan, or the
 reason planning failed) in, :class:`Finding` records out. ``hybridshard topo`` prints them and exits
 non-zero when one is an error. docs/topology.md explains each code and its fix.
 """
@@ -11,8 +11,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from topology.records import ClusterNode, ClusterView, GpuInfo, RankEntry
-from topology.visible import resolve_visible_devices
+from hybridshard.topology.records import ClusterNode, ClusterView, GpuInfo, RankEntry
+from hybridshard.topology.visible import resolve_visible_devices
 
 __all__ = ["CODES", "Finding", "Level", "cluster_findings", "format_ranges", "has_errors"]
 

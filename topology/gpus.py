@@ -1,6 +1,6 @@
 """GPU records and the GPU x GPU connection matrix, built from raw NVML answers.
 
-:func:`probe_gpus` asks an :class:`~topology.nvml.NvmlSource` and never raises for a failed query:
+:func:`probe_gpus` asks an :class:`~hybridshard.topology.nvml.NvmlSource` and never raises for a failed query:
 the GPU keeps every other fact and records the reason (see [Note: failure is data]).
 
 [Note: NVLink matrix]
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
-from topology.nvml import (
+from hybridshard.topology.nvml import (
     FABRIC_STATE_COMPLETED,
     LINK_TYPE_GPU,
     LINK_TYPE_SWITCH,
@@ -37,7 +37,7 @@ from topology.nvml import (
     NvmlSource,
     NvmlUnavailable,
 )
-from topology.records import GpuInfo, NumaNode, NvLink
+from hybridshard.topology.records import GpuInfo, NumaNode, NvLink
 
 logger = logging.getLogger(__name__)
 

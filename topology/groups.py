@@ -22,8 +22,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from topology.planner import GroupPlan
-from topology.records import ClusterView
+from hybridshard.topology.planner import GroupPlan
+from hybridshard.topology.records import ClusterView
 
 logger = logging.getLogger(__name__)
 

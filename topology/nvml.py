@@ -1,16 +1,16 @@
 """The NVML queries discovery needs, behind one injectable interface.
 
-This is the only module that imports ``pynvml`` (from ``nvidia-ml-py``). :mod:`topology.probe` asks
+This is the only module that imports ``pynvml`` (from ``nvidia-ml-py``). :mod:`hybridshard.topology.probe` asks
 an :class:`NvmlSource` for raw answers and turns them into records; it never touches NVML itself, so
-tests pass a :class:`~topology.nvml_recorded.FakeNvml` that serves answers recorded in a JSON file.
+tests pass a :class:`~hybridshard.topology.nvml_recorded.FakeNvml` that serves answers recorded in a JSON file.
 
 Every query either returns a raw answer or raises :class:`NvmlQueryError` carrying the reason (the
 NVML error string, e.g. ``"Not Supported"``, or ``"Function Not Found"`` when the installed driver or
 bindings lack the function). :meth:`NvmlSource.init` raises :class:`NvmlUnavailable` when there is no
 library or driver at all.
 
-The recorded-answer format (``FORMAT``) that tests and ``python -m topology.nvml record`` use is
-documented in :mod:`topology.nvml_recorded`.
+The recorded-answer format (``FORMAT``) that tests and ``python -m hybridshard.topology.nvml record`` use is
+documented in :mod:`hybridshard.topology.nvml_recorded`.
 """
 
 from __future__ import annotations
@@ -374,17 +374,17 @@ def _format_uuid(raw: bytes) -> str:
 
 
 def __getattr__(name: str) -> Any:
-    # The recorded-answer side (FakeNvml, record) lives in topology.nvml_recorded, which imports this
+    # The recorded-answer side (FakeNvml, record) lives in hybridshard.topology.nvml_recorded, which imports this
     # module; it is importable from here too, resolved on first use to avoid a circular import.
     if name in ("FakeNvml", "record"):
-        from topology import nvml_recorded
+        from hybridshard.topology import nvml_recorded
 
         return getattr(nvml_recorded, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m topology.nvml", description="Record this machine's NVML answers.")
+    parser = argparse.ArgumentParser(prog="python -m hybridshard.topology.nvml", description="Record this machine's NVML answers.")
     sub = parser.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record", help="write every answer discovery uses, in the fixture format")
     rec.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
@@ -392,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Under ``python -m`` this file runs as ``__main__``, a second copy of the module; use the
     # importable one so its exception classes are the ones ``record`` catches.
-    from topology import nvml
-    from topology.nvml_recorded import record
+    from hybridshard.topology import nvml
+    from hybridshard.topology.nvml_recorded import record
 
     text = json.dumps(record(nvml.PynvmlSource(), description=args.description), indent=1) + "\n"
     if args.output is None:

@@ -1,10 +1,10 @@
 """Recorded NVML answers: :class:`FakeNvml` serves them, :func:`record` writes them.
 
-Fixtures in ``tests/fixtures/nvml`` use the format below; ``python -m topology.nvml record -o FILE`` saves a
+Fixtures in ``tests/fixtures/nvml`` use the format below; ``python -m hybridshard.topology.nvml record -o FILE`` saves a
 real machine's answers in it, so what a GPU machine reports can become a test fixture.
 
-Recorded-answer format (``"format": "hybridshard-nvml/1"``), written by ``python -m topology.nvml
-record`` and served by :class:`topology.nvml_recorded.FakeNvml`. Any answer may be replaced by
+Recorded-answer format (``"format": "hybridshard-nvml/1"``), written by ``python -m hybridshard.topology.nvml
+record`` and served by :class:`hybridshard.topology.nvml_recorded.FakeNvml`. Any answer may be replaced by
 ``{"error": "<reason>"}``::
 
     {
@@ -39,7 +39,7 @@ import json
 import os
 from typing import Any, Callable, Mapping
 
-from topology.nvml import (
+from hybridshard.topology.nvml import (
     FORMAT,
     NvmlQueryError,
     NvmlSource,
@@ -67,7 +67,7 @@ class FakeNvml(NvmlSource):
         if data.get("format") != FORMAT:
             raise ValueError(
                 f"NVML fixture format must be {FORMAT!r}, found {data.get('format')!r}; "
-                "record one with `python -m topology.nvml record -o FILE`"
+                "record one with `python -m hybridshard.topology.nvml record -o FILE`"
             )
         self.data = data
         self.fail = dict(fail or {})

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from topology.records import ClusterNode, ClusterView, RankEntry
+from hybridshard.topology.records import ClusterNode, ClusterView, RankEntry
 
 __all__ = ["DOMAINS", "Domain", "GroupPlan", "find_domains", "format_plan", "plan_groups"]
 

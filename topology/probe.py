@@ -1,10 +1,10 @@
 """Probe this node and this rank into immutable records.
 
 Host facts come from psutil (CPU counts, memory, interface stats) and sysfs (sockets, NUMA nodes,
-RDMA devices, NIC NUMA nodes); GPU facts from an :class:`~topology.nvml.NvmlSource` (the real NVML
+RDMA devices, NIC NUMA nodes); GPU facts from an :class:`~hybridshard.topology.nvml.NvmlSource` (the real NVML
 unless a fake is injected). ``sysfs_root`` and ``env`` are injectable so tests can run on a fake tree.
 
-See [Note: failure is data] in :mod:`topology.records`: a fact that cannot be collected becomes
+See [Note: failure is data] in :mod:`hybridshard.topology.records`: a fact that cannot be collected becomes
 ``None`` plus a reason in ``unavailable``; nothing here raises because the machine lacks something.
 """
 
@@ -18,10 +18,10 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import psutil
 
-from topology.gpus import probe_gpus
-from topology.nvml import NvmlSource, PynvmlSource
-from topology.records import NetInterface, NodeProbe, NumaNode, RankProbe
-from topology.visible import resolve_visible_devices
+from hybridshard.topology.gpus import probe_gpus
+from hybridshard.topology.nvml import NvmlSource, PynvmlSource
+from hybridshard.topology.records import NetInterface, NodeProbe, NumaNode, RankProbe
+from hybridshard.topology.visible import resolve_visible_devices
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def probe_rank(
     process is rank 0 of 1), its node, and the GPU it will use.
 
     The GPU is visible device ``local_rank % len(visible)`` after ``CUDA_VISIBLE_DEVICES``; see
-    :mod:`topology.visible` for how the variable maps to physical GPUs.
+    :mod:`hybridshard.topology.visible` for how the variable maps to physical GPUs.
     """
     env = os.environ if env is None else env
     rank = _env_int(env, "RANK", 0) if rank is None else rank

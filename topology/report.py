@@ -1,16 +1,16 @@
 """Render probes and cluster views for people (text) and for scripts (JSON-ready dicts).
 
 Every fact a probe could not collect prints as ``unavailable: <reason>``; see [Note: failure is data]
-in :mod:`topology.records`.
+in :mod:`hybridshard.topology.records`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from topology.findings import Finding, format_ranges, has_errors
-from topology.planner import GroupPlan, format_plan
-from topology.records import ClusterView, GpuInfo, NodeProbe
+from hybridshard.topology.findings import Finding, format_ranges, has_errors
+from hybridshard.topology.planner import GroupPlan, format_plan
+from hybridshard.topology.records import ClusterView, GpuInfo, NodeProbe
 
 __all__ = ["MATRIX_LEGEND", "cluster_report_dict", "render_cluster", "render_node", "render_table"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from topology.cluster import assemble_cluster
-from topology.records import ClusterView, GpuInfo, NodeProbe, NumaNode, NvLink, RankProbe
+from hybridshard.topology.cluster import assemble_cluster
+from hybridshard.topology.records import ClusterView, GpuInfo, NodeProbe, NumaNode, NvLink, RankProbe
 
 __all__ = ["LAYOUTS", "NVLINK_SHAPES", "rank_order", "synthetic_cluster", "synthetic_node"]
 

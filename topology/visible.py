@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from topology.records import GpuInfo
+from hybridshard.topology.records import GpuInfo
 
 __all__ = ["resolve_visible_devices"]
 

@@ -116,7 +116,7 @@ def split_argv(argv: Sequence[str]) -> SplitArgv:
 
 def _visible_gpus():
     """``(node probe, visible GPU uuids)`` of this host, CUDA_VISIBLE_DEVICES applied."""
-    from topology.probe import probe_rank
+    from hybridshard.topology.probe import probe_rank
 
     probe = probe_rank(rank=0, local_rank=0, world_size=1)
     return probe.node, probe.visible_gpu_uuids

@@ -11,9 +11,9 @@ import argparse
 import json
 import sys
 
-from topology.planner import DOMAINS, format_plan, plan_groups
-from topology.records import ClusterView
-from topology.synthetic import LAYOUTS, NVLINK_SHAPES, synthetic_cluster
+from hybridshard.topology.planner import DOMAINS, format_plan, plan_groups
+from hybridshard.topology.records import ClusterView
+from hybridshard.topology.synthetic import LAYOUTS, NVLINK_SHAPES, synthetic_cluster
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -16,8 +16,8 @@ import os
 import sys
 from typing import Any, Mapping
 
-from topology.findings import Finding, Level, cluster_findings, has_errors
-from topology.planner import DOMAINS
+from hybridshard.topology.findings import Finding, Level, cluster_findings, has_errors
+from hybridshard.topology.planner import DOMAINS
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from topology.probe import probe_node
-    from topology.report import render_node
+    from hybridshard.topology.probe import probe_node
+    from hybridshard.topology.report import render_node
 
     probe = probe_node()
     if args.json:
@@ -145,9 +145,9 @@ def _run_cluster(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import torch.distributed as dist
 
     from hybridshard.groups import local_device
-    from topology.cluster import gather_cluster
-    from topology.planner import plan_groups
-    from topology.probe import probe_rank
+    from hybridshard.topology.cluster import gather_cluster
+    from hybridshard.topology.planner import plan_groups
+    from hybridshard.topology.probe import probe_rank
 
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -182,7 +182,7 @@ def _measure(args: argparse.Namespace, plan: Any, cluster: Any, device: Any, ran
     if plan is None:
         return None  # every rank failed planning alike, so no rank enters the collectives
     from hybridshard.diagnostics.bandwidth import measure_bandwidth
-    from topology.groups import build_groups
+    from hybridshard.topology.groups import build_groups
 
     groups = build_groups(plan, backend=args.backend, cluster=cluster, device=device)
     kwargs = {"sizes_bytes": args.sizes} if args.sizes else {}
@@ -192,7 +192,7 @@ def _measure(args: argparse.Namespace, plan: Any, cluster: Any, device: Any, ran
 
 
 def _print_cluster(args: argparse.Namespace, cluster: Any, plan: Any, findings: list[Finding], bandwidth: Any) -> None:
-    from topology.report import cluster_report_dict, render_cluster
+    from hybridshard.topology.report import cluster_report_dict, render_cluster
 
     if args.json:
         report = cluster_report_dict(

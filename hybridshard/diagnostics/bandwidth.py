@@ -211,7 +211,7 @@ def _host_names(groups) -> list[str]:
     world = dist.get_world_size()
     if cluster is not None:
         return [cluster.node_of(r).name for r in range(world)]
-    from topology.probe import node_name
+    from hybridshard.topology.probe import node_name
 
     names: list[Any] = [None] * world
     dist.all_gather_object(names, node_name())

@@ -1,6 +1,6 @@
 """Which CPUs each local rank should run on: the CPUs of its GPU's NUMA node.
 
-A pure computation over discovery records (:class:`topology.records.NodeProbe`), so it is tested
+A pure computation over discovery records (:class:`hybridshard.topology.records.NodeProbe`), so it is tested
 with recorded fixtures; :mod:`hybridshard.launcher.bind` applies the result inside each worker.
 
 [Note: NUMA binding]
@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from topology.records import GpuInfo, NodeProbe
+from hybridshard.topology.records import GpuInfo, NodeProbe
 
 logger = logging.getLogger(__name__)
 
