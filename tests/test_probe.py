@@ -21,7 +21,7 @@ from hybridshard.topology.records import NodeProbe, RankProbe
 from hybridshard.topology.visible import resolve_visible_devices
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvml"
-FIXTURE_NAMES = ("dgx_h100_nvswitch", "pcie_nvlink_pairs", "gb200_nvl72_node", "no_nvml")
+FIXTURE_NAMES = ("dgx_h100_nvswitch", "pcie_nvlink_pairs", "gb200_nvl72_node", "no_nvml", "h100_x1_recorded")
 REPO = Path(__file__).resolve().parents[1]
 
 # NUMA layout of the host each fixture describes: node id -> CPUs.
@@ -30,6 +30,7 @@ HOST_NUMA = {
     "pcie_nvlink_pairs": {0: [*range(0, 32), *range(64, 96)], 1: [*range(32, 64), *range(96, 128)]},
     "gb200_nvl72_node": {0: list(range(0, 72)), 1: list(range(72, 144))},
     "no_nvml": {0: [0, 1]},
+    "h100_x1_recorded": {0: list(range(16))},
 }
 
 
@@ -152,6 +153,24 @@ def test_no_nvml_is_a_cpu_node_with_every_other_fact(tmp_path):
     assert node.cpu_cores_logical == psutil.cpu_count() and node.memory_total_bytes == psutil.virtual_memory().total
     assert node.numa_nodes[0].cpus == (0, 1) and node.numa_nodes[0].memory_bytes == 2**30
     assert node.driver_version is None and "driver_version" not in node.unavailable_map
+
+
+def test_recorded_h100_single_gpu_vm(tmp_path):
+    """A real recording (one H100 in a VM): no NVLink, fabric not registered, every other fact read."""
+    data = load("h100_x1_recorded")
+    node = fixture_node("h100_x1_recorded", tmp_path)
+    assert node.num_gpus == 1
+    (gpu,) = node.gpus
+    assert (gpu.name, gpu.uuid, gpu.pci_bus_id) == (
+        "NVIDIA H100 80GB HBM3", data["devices"][0]["uuid"], "00000000:00:06.0"
+    )
+    assert gpu.memory_total_bytes == 85520809984 and gpu.numa_node == 0
+    assert gpu.cpu_affinity == tuple(range(16))
+    assert gpu.nvlinks == () and gpu.unavailable_map["nvlinks"] == "Not Supported"
+    # NVML answered the fabric query with an all-zero cluster UUID: not registered, so no clique.
+    assert gpu.fabric_cluster_uuid is None and "fabric" in gpu.unavailable_map
+    assert node.gpu_matrix == (("X",),)
+    assert (node.driver_version, node.cuda_driver_version) == ("580.159.04", 13000)
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
