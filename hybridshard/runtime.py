@@ -13,12 +13,21 @@ The next forward or backward notices (the callback is still marked queued, but f
 is no longer running), drops that backward's unreduced gradients, frees every buffer and returns
 every unit to ``IDLE``; gradients reduced before the error stay in ``.grad`` (zero them to skip
 the batch), and gradients held by ``no_sync`` from earlier micro-batches stay held.
+
+[Note: is the backward still running]
+The autograd engine keeps a graph task's final callbacks until the task ends, whether it finished
+or raised, and then drops them. So the runtime holds only a weak reference to the callback it
+queued: while that reference is alive, the backward that queued it is still running. Comparing
+graph-task ids would not do: reentrant activation checkpointing runs a *nested* backward (a new
+graph task) inside the running one, and its gradient hooks must not be mistaken for a new backward
+after an aborted one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -55,7 +64,7 @@ class Runtime:
         self.sync_mode = SyncMode.SYNC
         self.in_backward = False
         self._callback_queued = False
-        self._callback_task = -1
+        self._callback_ref: weakref.ref | None = None
         self._handles: list[Any] = []
 
     @property
@@ -80,7 +89,7 @@ class Runtime:
         param_dtype = self.mixed_precision.param_dtype if self.mixed_precision else None
 
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict):
-            if is_root and self._callback_queued and _graph_task() == -1:
+            if is_root and self._callback_queued and not self._backward_running():
                 self._recover_aborted_backward()
             unit.pre_forward()
             if is_root and param_dtype is not None and not self.in_backward:
@@ -98,14 +107,19 @@ class Runtime:
 
     def on_backward_hook(self) -> None:
         """Called by every unit backward hook; the first one of a backward queues the final callback."""
-        task = _graph_task()
-        if self._callback_queued and task != self._callback_task:
+        if self._callback_queued and not self._backward_running():
             self._recover_aborted_backward()
         self.in_backward = True
         if not self._callback_queued:
+            callback = _FinishBackward(self)
             self._callback_queued = True
-            self._callback_task = task
-            Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_ref = weakref.ref(callback)
+            Variable._execution_engine.queue_callback(callback)
+
+    def _backward_running(self) -> bool:
+        """Whether the backward that queued the final callback is still running; see
+        [Note: is the backward still running]."""
+        return self._callback_ref is not None and self._callback_ref() is not None
 
     def _recover_aborted_backward(self) -> None:
         """Undo what a backward that raised left behind; see [Note: hook wiring]."""
@@ -124,9 +138,14 @@ class Runtime:
             self._callback_queued = False
 
 
-def _graph_task() -> int:
-    """The id of the backward running on this thread, -1 outside backward."""
-    return torch._C._current_graph_task_id()
+class _FinishBackward:
+    """The engine callback that ends a backward (an object, so the runtime can hold a weak reference)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def __call__(self) -> None:
+        self.runtime._finish_backward()
 
 
 def get_runtime(model: nn.Module) -> Runtime:

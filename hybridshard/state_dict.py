@@ -35,8 +35,9 @@ def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict[str, torch
     """
     _check_idle(model, "full_state_dict")
     runtime = get_runtime(model)
-    full_params: dict[str, torch.Tensor] = {}
-    for unit in runtime.units:
+    keys = param_keys(model)
+    full: dict[tuple[int, int], torch.Tensor] = {}  # (unit index, slot index) -> full value
+    for u, unit in enumerate(runtime.units):
         flat, layout = unit.flat, unit.flat.layout
         flat.writeback_params()
         if layout.shard_size > 1:
@@ -44,18 +45,28 @@ def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict[str, torch
             C.all_gather(gathered, flat.sharded, unit.groups.shard)
         else:
             gathered = flat.sharded
-        for slot in layout.slots:
+        for i, slot in enumerate(layout.slots):
             value = gathered[slot.offset : slot.end].view(slot.shape).clone()
-            full_params[slot.name] = value.cpu() if to_cpu else value
-        for alias, primary in layout.aliases:
-            full_params[alias] = full_params[primary]
+            full[(u, i)] = value.cpu() if to_cpu else value
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
-        if key in full_params:
-            out[key] = full_params[key]
+        if key in keys:
+            out[key] = full[keys[key]]
         else:
             out[key] = value.detach().cpu().clone() if to_cpu else value.detach().clone()
     return out
+
+
+def param_keys(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """``state_dict`` key -> ``(unit index, slot index)`` for every sharded parameter.
+
+    Found by identity (the module's state dict holds the original parameter objects between
+    steps), so keys renamed by state-dict hooks (``checkpoint_wrapper`` drops its prefix) and tied
+    parameters (one slot under two keys) come out right.
+    """
+    runtime = get_runtime(model)
+    where = {id(p): (u, i) for u, unit in enumerate(runtime.units) for i, p in enumerate(unit.flat.params)}
+    return {k: where[id(v)] for k, v in model.state_dict(keep_vars=True).items() if id(v) in where}
 
 
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -75,23 +86,24 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
             f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}; load a state dict saved "
             "from the same model (hybridshard.full_state_dict)"
         )
-    for unit in runtime.units:
-        for slot in unit.flat.layout.slots:
-            if tuple(state_dict[slot.name].shape) != slot.shape:
-                raise ValueError(
-                    f"state dict entry {slot.name!r} has shape {list(state_dict[slot.name].shape)}, the model "
-                    f"expects {list(slot.shape)}"
-                )
+    keys = param_keys(model)
+    others = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in keys}
+    shapes = {k: runtime.units[u].flat.layout.slots[i].shape for k, (u, i) in keys.items()}
+    shapes.update((k, tuple(v.shape)) for k, v in others.items())
+    for key, shape in shapes.items():
+        if tuple(state_dict[key].shape) != tuple(shape):
+            raise ValueError(
+                f"state dict entry {key!r} has shape {list(state_dict[key].shape)}, the model expects "
+                f"{list(shape)}; nothing was loaded. Load a state dict saved from the same model"
+            )
     with torch.no_grad():
+        for key, (u, i) in keys.items():
+            flat = runtime.units[u].flat
+            part = flat.local[i]
+            if part.numel:
+                source = state_dict[key].reshape(-1)[part.param_start : part.param_start + part.numel]
+                flat.shard_view(i).copy_(source)
         for unit in runtime.units:
-            flat = unit.flat
-            for i, (slot, part) in enumerate(zip(flat.layout.slots, flat.local)):
-                if part.numel:
-                    source = state_dict[slot.name].reshape(-1)[part.param_start : part.param_start + part.numel]
-                    flat.shard_view(i).copy_(source)
-            flat.use_sharded_params()
-        params = {slot.name for unit in runtime.units for slot in unit.flat.layout.slots}
-        aliases = {a for unit in runtime.units for a, _ in unit.flat.layout.aliases}
-        for key, value in model.state_dict(keep_vars=True).items():
-            if key not in params and key not in aliases:
-                value.copy_(state_dict[key])
+            unit.flat.use_sharded_params()
+        for key, value in others.items():
+            value.copy_(state_dict[key])

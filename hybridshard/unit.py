@@ -24,6 +24,19 @@ counters are recorded at each gather: a forward that reuses the gather gathers a
 moved, and a backward that would use it raises, naming the parameter, since its gradient would
 belong to values the parameter no longer has. The check runs only on those paths (a normal step
 starts sharded), and it is local: optimizer steps change the master on every rank alike.
+
+[Note: recomputation in backward]
+Activation checkpointing recomputes a unit's forward inside backward, in one of three forms, all
+supported: around the unit's call (``checkpoint(block, x)``, ``checkpoint_wrapper``, torchtitan),
+so the unit's forward hooks run again; inside the unit's ``forward`` (transformers'
+``gradient_checkpointing_enable``), so no hook of the unit runs; and reentrant
+(``use_reentrant=True``), whose recomputation runs a nested backward. In every form the gradient
+hook on the unit's outputs (or, reentrant around the unit, the forward pre-hook of the
+recomputation) gathers the buffer first and installs views of it, so the recomputed forward reads
+the gathered values; the views the original forward made stay the ones autograd sends gradients
+through (non-reentrant), or the recomputed views feed the nested backward (reentrant). Either way
+every gradient lands in the flat leaf and the post-accumulate-grad hook reduces it and frees the
+buffer again, once.
 """
 
 from __future__ import annotations
@@ -133,7 +146,10 @@ class Unit:
 
     def _install_views(self) -> None:
         assert self.sharded_state is ShardedState.UNSHARDED
-        self._views = self.flat.unsharded_views()
+        # Views must be differentiable even when made inside backward (grad mode is off there),
+        # or a recomputation would save different tensors than the forward it replays.
+        with torch.enable_grad():
+            self._views = self.flat.unsharded_views()
         for view, slots in zip(self._views, self.bindings):
             for mod, attr in slots:
                 mod._parameters[attr] = view
@@ -150,7 +166,8 @@ class Unit:
     def pre_forward(self) -> None:
         if self.runtime.in_backward:
             # Activation-checkpoint recomputation inside backward: compute with fresh views of
-            # the buffer the backward already gathered; leave the states to the backward hooks.
+            # the gathered buffer; leave the states to the backward hooks.
+            # See [Note: recomputation in backward].
             self.unshard()
             self._install_views()
             return
@@ -192,6 +209,10 @@ class Unit:
         if self.sharded_state is ShardedState.UNSHARDED:
             self.check_unchanged()
         self.unshard()
+        if self._views is None:
+            # See [Note: recomputation in backward]: checkpointing inside the unit's forward reads
+            # the module attributes again, with no forward hook of ours around it.
+            self._install_views()
         self.training_state = TrainingState.PRE_BACKWARD
 
     def check_unchanged(self) -> None:

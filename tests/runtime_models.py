@@ -47,8 +47,8 @@ class TinyLM(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos.to(self.embed.weight.dtype)
         for block in self.blocks:
-            if self.checkpoint:
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            if self.checkpoint:  # around the unit's call; True: non-reentrant, "reentrant": reentrant
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.checkpoint == "reentrant")
             else:
                 x = block(x)
         return self.head(self.norm(x))
@@ -81,7 +81,8 @@ class Config:
     steps: int = 5
     micro_batch: int = 2
     lr: float = 1e-2
-    checkpoint: bool = False
+    checkpoint: bool | str = False
+    """Activation checkpointing around each block's call: True (non-reentrant) or "reentrant"."""
     clip: float | None = None
     block_strategies: tuple[str, ...] = ()
     """One block per entry, each a unit with that strategy (a callable wrap policy); () = two blocks."""

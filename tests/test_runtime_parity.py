@@ -2,7 +2,7 @@
 
 4 ranks on 2 simulated nodes. One pool runs the whole sweep: 5 strategies x {fp32, bf16 params
 with fp32 reduce} x {plain, no_sync accumulation}, plus the reduce-scatter-each-micro-batch option
-and non-reentrant activation checkpointing; then the cyclic node layout for the hybrid strategies.
+and activation checkpointing around each block (non-reentrant and reentrant); then the cyclic node layout for the hybrid strategies.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ BF16_TOL = dict(atol=2e-3, rtol=2e-3)
 
 SWEEP = RM.sweep(strategy=STRATEGIES, bf16=[False, True], micro_steps=[1, 2], clip=[1.0])
 EXTRA = RM.sweep(strategy=["HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "NO_SHARD"], micro_steps=[3], reduce_scatter_micro=[True])
-EXTRA += RM.sweep(strategy=["FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"], checkpoint=[True], steps=[3])
+EXTRA += RM.sweep(strategy=STRATEGIES, checkpoint=[True, "reentrant"], steps=[3])
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def sweep_results():
 
 @pytest.mark.parametrize("index", range(len(SWEEP + EXTRA)), ids=[
     f"{c.strategy}-{'bf16' if c.bf16 else 'fp32'}-micro{c.micro_steps}"
-    + ("-rs" if c.reduce_scatter_micro else "") + ("-ckpt" if c.checkpoint else "")
+    + ("-rs" if c.reduce_scatter_micro else "") + ({True: "-ckpt", "reentrant": "-ckpt_reentrant"}.get(c.checkpoint, ""))
     for c in SWEEP + EXTRA
 ])
 def test_parity_and_counts(sweep_results, index):
