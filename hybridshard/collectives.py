@@ -2,7 +2,9 @@
 
 Each call is counted per ``(kind, group name)`` so tests and benchmarks can check how many
 collectives a step issued and how many bytes crossed each group. A group of one rank needs no
-communication: the functions then copy locally and count nothing.
+communication: the functions then copy locally and count nothing. A collective that fails raises a
+``RuntimeError`` naming the group and the lost ranks, and with ``HYBRIDSHARD_DEBUG=1`` each one first
+checks that its group agrees on it (see :mod:`hybridshard.faults`).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import contextlib
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+
+from hybridshard import faults
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +82,20 @@ def count_collectives() -> Iterator[CollectiveCounts]:
         _ACTIVE.remove(counts)
 
 
-def _record(kind: str, group: dist.ProcessGroup | None, tensor: torch.Tensor) -> None:
+def _run(kind: str, group: dist.ProcessGroup | None, tensor: torch.Tensor, collective: Callable[[], Any]) -> None:
+    """Count, optionally check agreement, then run ``collective``; a failure names the group."""
     name = group_name(group)
     nbytes = tensor.numel() * tensor.element_size()
     for counts in _ACTIVE:
         counts.calls[(kind, name)] += 1
         counts.bytes[(kind, name)] += nbytes
     logger.debug("%s on %s: %d bytes", kind, name, nbytes)
+    try:
+        if faults.debug_enabled():
+            faults.check_agreement(kind, name, group, tensor)
+        collective()
+    except RuntimeError as err:
+        raise faults.collective_failed(kind, name, group, err) from err
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
@@ -92,8 +103,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     if group_size(group) == 1:
         output.copy_(shard)
         return
-    _record("all_gather", group, shard)
-    _ALL_GATHER(output, shard, group=group)
+    _run("all_gather", group, shard, lambda: _ALL_GATHER(output, shard, group=group))
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> None:
@@ -101,24 +111,21 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
     if group_size(group) == 1:
         output.copy_(full)
         return
-    _record("reduce_scatter", group, full)
-    _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=group)
+    _run("reduce_scatter", group, full, lambda: _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=group))
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> None:
     """Reduce ``tensor`` in place over the group (``op`` defaults to a sum)."""
     if group_size(group) == 1:
         return
-    _record("all_reduce", group, tensor)
-    dist.all_reduce(tensor, op=op, group=group)
+    _run("all_reduce", group, tensor, lambda: dist.all_reduce(tensor, op=op, group=group))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
     """Copy global rank ``src``'s ``tensor`` to every member of the group."""
     if group_size(group) == 1:
         return
-    _record("broadcast", group, tensor)
-    dist.broadcast(tensor, src=src, group=group)
+    _run("broadcast", group, tensor, lambda: dist.broadcast(tensor, src=src, group=group))
 
 
 @dataclass(frozen=True)

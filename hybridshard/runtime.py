@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from hybridshard import faults
 from hybridshard.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.unit import SyncMode, Unit
 
@@ -77,7 +78,8 @@ class Runtime:
     def attach(self, units: Sequence[Unit]) -> None:
         """Install the units and their hooks; see [Note: hook wiring]."""
         self.units = list(units)
-        for unit in self.units:
+        for index, unit in enumerate(self.units):
+            unit.index = index
             is_root = unit is self.units[0]
             self._handles.append(
                 unit.module.register_forward_pre_hook(self._make_pre_hook(unit, is_root), with_kwargs=True)
@@ -91,6 +93,9 @@ class Runtime:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict):
             if is_root and self._callback_queued and not self._backward_running():
                 self._recover_aborted_backward()
+            if is_root and not self.in_backward:
+                faults.where.forward += 1
+                faults.where.phase = "forward"
             unit.pre_forward()
             if is_root and param_dtype is not None and not self.in_backward:
                 cast = lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
@@ -110,6 +115,7 @@ class Runtime:
         if self._callback_queued and not self._backward_running():
             self._recover_aborted_backward()
         self.in_backward = True
+        faults.where.phase = "backward" if self.sync_mode is SyncMode.SYNC else "no_sync backward"
         if not self._callback_queued:
             callback = _FinishBackward(self)
             self._callback_queued = True
@@ -136,6 +142,10 @@ class Runtime:
         finally:
             self.in_backward = False
             self._callback_queued = False
+            faults.where.phase = "other"
+            if self.sync_mode is SyncMode.SYNC:
+                faults.where.step += 1
+                faults.where.forward = 0
 
 
 class _FinishBackward:

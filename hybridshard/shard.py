@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hybridshard import collectives as C
+from hybridshard import faults
 from hybridshard.flat_param import FlatParam
 from hybridshard.layout import FlatLayout
 from hybridshard.runtime import _ATTR, Runtime
@@ -35,6 +36,7 @@ def shard(
     mixed_precision: MixedPrecision | None = None,
     device: torch.device | str | None = None,
     sync_module_states: bool = False,
+    debug: bool | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place and return it.
 
@@ -45,7 +47,14 @@ def shard(
     SHARD_GRAD_OP shard over the whole job, NO_SHARD replicates over it), even when ``groups`` is
     given. Collective over the default group: every rank calls it with the same model structure and
     arguments.
+
+    ``debug=True`` (or ``HYBRIDSHARD_DEBUG=1``) makes every collective of this process first check
+    that its group agrees on it, turning ranks that run different forwards/backwards into a
+    ``ValueError`` naming what each was doing; it costs one tiny all-gather per collective. See
+    :mod:`hybridshard.faults`.
     """
+    if debug is not None:
+        faults.set_debug(debug)
     if not dist.is_initialized():
         raise RuntimeError("shard needs an initialised default process group: call init_process_group() first")
     if getattr(model, _ATTR, None) is not None or any(getattr(m, _ATTR, None) for m in model.modules()):

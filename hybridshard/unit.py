@@ -50,6 +50,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from hybridshard import collectives as C
+from hybridshard import faults
 from hybridshard.flat_param import FlatParam
 from hybridshard.strategy import ShardingStrategy
 
@@ -97,6 +98,8 @@ class Unit:
         runtime: Any,
     ) -> None:
         self.name = name or "<root>"
+        self.index = -1
+        """Position in the runtime's unit list (the root is 0); set by ``Runtime.attach``."""
         self.module = module
         self.flat = flat
         self.bindings = tuple(tuple(b) for b in bindings)
@@ -164,6 +167,7 @@ class Unit:
     # -- forward ---------------------------------------------------------------------------------
 
     def pre_forward(self) -> None:
+        faults.where.unit = self.index
         if self.runtime.in_backward:
             # Activation-checkpoint recomputation inside backward: compute with fresh views of
             # the gathered buffer; leave the states to the backward hooks.
@@ -204,6 +208,7 @@ class Unit:
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         self.runtime.on_backward_hook()
+        faults.where.unit = self.index
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return
         if self.sharded_state is ShardedState.UNSHARDED:
@@ -222,34 +227,37 @@ class Unit:
         for i, (view, slots) in enumerate(zip(self._views, self.bindings)):
             for mod, attr in slots:
                 if mod._parameters.get(attr) is not view:
-                    raise RuntimeError(self._changed_message(self.flat.layout.slots[i].name, "replaced"))
+                    self._raise_changed(self.flat.layout.slots[i].name, "replaced")
         if self.flat.unsharded._version != self._views_version:
-            raise RuntimeError(self._changed_message(self._find_changed(), "changed in place"))
+            self._raise_changed(self._find_changed(), "changed in place")
         versions = self.flat.master_versions()
         if versions != self._master_versions:  # see [Note: stale gathers]
             moved = [i - 1 for i, (a, b) in enumerate(zip(versions, self._master_versions)) if a != b]
             slots = self.flat.layout.slots
             name = slots[moved[0]].name if moved[0] >= 0 else "one of " + ", ".join(s.name for s in slots)
-            raise RuntimeError(self._changed_message(name, "updated through the optimizer's parameters"))
+            self._raise_changed(name, "updated through the optimizer's parameters")
 
     def _find_changed(self) -> str:
-        """Name the first parameter whose gathered values left the master (agreed over the shard group)."""
+        """Name the first parameter whose gathered values left this rank's master shard.
+
+        Local on purpose: the change may have happened on this rank only, and a collective that
+        only this rank enters would hang. A change outside this rank's chunk names every candidate.
+        """
         local = self.flat.local_chunk()
         master = self.flat.gather_input()
-        start, _ = self.flat.layout.shard_range()
-        first = len(self.flat.layout.slots)
-        for i, (slot, part) in enumerate(zip(self.flat.layout.slots, self.flat.local)):
+        slots = self.flat.layout.slots
+        for slot, part in zip(slots, self.flat.local):
             lo = part.shard_offset
             if part.numel and not torch.equal(local[lo : lo + part.numel], master[lo : lo + part.numel]):
-                first = i
-                break
-        # Every rank is on this path (the version check is the same everywhere): agree on a name.
-        found = torch.tensor([first], dtype=torch.int64, device=local.device)
-        if self.groups.shard_size > 1:
-            C.all_reduce(found, self.groups.shard, op=torch.distributed.ReduceOp.MIN)
-        first = int(found.item())
-        slots = self.flat.layout.slots
-        return slots[first].name if first < len(slots) else "one of " + ", ".join(s.name for s in slots)
+                return slot.name
+        return "one of " + ", ".join(s.name for s in slots)
+
+    def _raise_changed(self, name: str, how: str) -> None:
+        """Raise here, and leave the message for the peers: the change may be on this rank only
+        (see [Note: naming the lost rank] in :mod:`hybridshard.faults`)."""
+        message = self._changed_message(name, how)
+        faults.announce(message)
+        raise RuntimeError(message)
 
     def _changed_message(self, name: str, how: str) -> str:
         return (
@@ -262,6 +270,7 @@ class Unit:
     def _post_backward(self, leaf: torch.Tensor) -> None:
         assert self.training_state is not TrainingState.POST_BACKWARD, f"unit {self.name}: second post-backward"
         self.runtime.on_backward_hook()
+        faults.where.unit = self.index
         grad = leaf.grad
         leaf.grad = None
         self.reduce_grad(grad, self.runtime.sync_mode)

@@ -175,3 +175,52 @@ class RankPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_rank_processes(
+    argv: list[str], world_size: int, *, num_nodes: int = 2, timeout: float = 60.0, env: dict[str, str] | None = None
+) -> list[tuple[int | None, str, float]]:
+    """Run ``python argv...`` once per rank as plain processes (``env://`` rendezvous on loopback),
+    as torchrun would but without its agent killing the others when one fails: the survivors'
+    own behaviour is what a fault test looks at. Returns ``(exit code or None if killed at the
+    timeout, stdout, seconds)`` per rank."""
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    port = free_port()
+    # This process hosts the job's store, as torchrun's agent does, so it outlives any rank.
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
+    per_node = world_size // num_nodes
+    procs = []
+    start = time.monotonic()
+    for rank, (node, local_rank) in enumerate(node_placement(world_size, num_nodes, "block")):
+        rank_env = {
+            **os.environ, "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(per_node), "HYBRIDSHARD_NODE_NAME": node, "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            **(env or {}),
+        }
+        procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    out: list[tuple[int | None, str, float]] = []
+    for p in procs:
+        left = max(0.1, timeout - (time.monotonic() - start))
+        try:
+            text, _ = p.communicate(timeout=left)
+            out.append((p.returncode, text, time.monotonic() - start))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            text, _ = p.communicate()
+            out.append((None, text, time.monotonic() - start))
+    del store
+    return out

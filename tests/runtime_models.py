@@ -4,11 +4,12 @@ sweep helper that runs a grid of configurations in one multi-process call."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -156,6 +157,24 @@ def reference_run(cfg: Config, world_size: int) -> dict[str, Any]:
     """One process, the global batch. In bf16 mode each rank's micro-batch is computed in bf16
     exactly as the sharded run computes it and the gradients are averaged in fp32 (then kept in
     bf16 with ``low_precision_grads``)."""
+    with single_thread():
+        return _reference_run(cfg, world_size)
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Compute as the ranks do (``tests.mp`` gives each one thread): the number of threads changes
+    how a kernel splits its sums, which moves bf16 roundings, so a reference on another thread
+    count differs by more than summation order alone."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _reference_run(cfg: Config, world_size: int) -> dict[str, Any]:
     model = make_model(num_blocks=cfg.num_blocks)
     opt = make_optimizer(cfg, model.parameters())
     losses, norms = [], []

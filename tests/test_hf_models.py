@@ -12,6 +12,7 @@ import torch
 
 from hybridshard.strategy import ShardingStrategy
 from tests import hf_models as HF
+from tests import runtime_models as RM
 from tests.mp import RankPool
 
 pytestmark = pytest.mark.multiprocess
@@ -54,7 +55,8 @@ _REFERENCES: dict = {}
 def _reference(cfg: HF.HFConfig):
     key = (cfg.model, cfg.steps, cfg.micro_batch, cfg.lr)
     if key not in _REFERENCES:
-        _REFERENCES[key] = HF.reference_run(cfg, WORLD)
+        with RM.single_thread():
+            _REFERENCES[key] = HF.reference_run(cfg, WORLD)
     return _REFERENCES[key]
 
 
@@ -85,7 +87,8 @@ def test_hf_parity_cyclic(cyclic_results, index):
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_generate_in_eval_no_grad(block_results, kind, strategy):
-    ref = HF.generate(kind, None, PROMPT, NEW_TOKENS)
+    with RM.single_thread():
+        ref = HF.generate(kind, None, PROMPT, NEW_TOKENS)
     assert ref["tokens"].shape == (2, PROMPT.shape[1] + NEW_TOKENS)
     for rank, got in enumerate(block_results[1][(kind, strategy)]):
         assert torch.equal(got["tokens"], ref["tokens"]), f"rank {rank}: {got['tokens']} != {ref['tokens']}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
@@ -74,17 +75,31 @@ def _split_capable(default_pg: dist.ProcessGroup) -> bool:
         return False
 
 
+def job_timeout(default_pg: dist.ProcessGroup) -> timedelta | None:
+    """The timeout the job chose (``init_process_group(timeout=...)``), or ``None`` if unreadable.
+
+    Subgroups do not inherit it: they get the backend's default (30 minutes for gloo), so a rank
+    lost during a shard-group collective would hang its peers that long whatever the user set.
+    """
+    try:
+        device = torch.device("cuda") if "nccl" in str(dist.get_backend(default_pg)).lower() else torch.device("cpu")
+        return default_pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 def _create(rank_lists: Sequence[Sequence[int]], kind: str, backend: str | None) -> dist.ProcessGroup:
     """Create every group of ``rank_lists`` (see [Note: every rank creates every group])."""
     rank = dist.get_rank()
     default_pg = dist.distributed_c10d._get_default_group()
+    timeout = job_timeout(default_pg)
     if backend is None and _split_capable(default_pg):
-        mine = dist.split_group(split_ranks=[list(r) for r in rank_lists], group_desc=kind)
+        mine = dist.split_group(split_ranks=[list(r) for r in rank_lists], timeout=timeout, group_desc=kind)
         logger.debug("created %d %s groups with split_group", len(rank_lists), kind)
     else:
         mine = None
         for i, ranks in enumerate(rank_lists):
-            pg = dist.new_group(list(ranks), backend=backend, group_desc=f"{kind}{i}")
+            pg = dist.new_group(list(ranks), backend=backend, timeout=timeout, group_desc=f"{kind}{i}")
             if rank in ranks:
                 mine = pg
         logger.debug("created %d %s groups with new_group", len(rank_lists), kind)
