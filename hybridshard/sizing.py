@@ -287,7 +287,7 @@ def estimate(strategy: ShardingStrategy, shard_size: int, model: ModelSpec, clus
     mem = memory(strategy, s, model)
     notes = []
     if not strategy.is_hybrid and strategy is not ShardingStrategy.NO_SHARD and cluster.num_nodes > 1:
-        notes.append(f"its shard group spans {cluster.num_nodes} nodes: every gather runs at inter-node speed")
+        notes.append(f"its shard group spans {cluster.num_nodes} nodes: its gathers and reduce-scatters run at inter-node speed")
     if strategy.is_hybrid and s < min(cluster.node_sizes):
         notes.append(f"{min(cluster.node_sizes) // s} shard groups per node: the replicate ring also has NVLink edges")
     return Estimate(

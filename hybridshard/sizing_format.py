@@ -54,8 +54,8 @@ def _gb(nbytes: float) -> str:
 
 
 _COLUMNS = (
-    ("strategy", 18), ("shard x rep", 11), ("params", 7), ("grads", 7), ("optim", 7), ("gathered", 8),
-    ("total", 7), ("fits", 4), ("intra GB", 8), ("inter GB", 8), ("intra s", 8), ("inter s", 8), ("comm s", 8),
+    "strategy", "shard x rep", "params", "grads", "optim", "gathered", "total", "fits",
+    "intra GB", "inter GB", "intra s", "inter s", "comm s",
 )
 
 
@@ -91,9 +91,10 @@ def render_text(
     model: ModelSpec, cluster: ClusterSpec, estimates: Sequence[Estimate], rec: Recommendation, *, unit_source: str
 ) -> str:
     lines = [_model_line(model, unit_source), _cluster_line(cluster), ""]
-    rows = [[name for name, _ in _COLUMNS]] + [_row(e) for e in estimates]
+    rows = [list(_COLUMNS)] + [_row(e) for e in estimates]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     for row in rows:
-        lines.append("  ".join(cell.ljust(width) for cell, (_, width) in zip(row, _COLUMNS)).rstrip())
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     lines += [
         "",
         "memory: GB per GPU (1 GB = 1e9 bytes) without activations; traffic: GB and seconds per rank per step",
@@ -103,7 +104,8 @@ def render_text(
         lines.append(f"recommended: none: {rec.reason}")
     else:
         c = rec.choice
-        lines.append(f"recommended: {c.strategy.name}, shard size {c.shard_size} x {c.replicate_size} replicas: {rec.reason}")
+        lines.append(f"recommended: {c.strategy.name}, shard size {c.shard_size} x {c.replicate_size} replicas:")
+        lines.append(f"  {rec.reason}")
     by_note: dict[str, list[str]] = {}
     for e in estimates:
         for note in e.notes:
