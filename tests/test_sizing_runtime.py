@@ -123,13 +123,22 @@ def _spec(units: list[tuple[int, int]], *, padded: bool, bf16: bool) -> ModelSpe
                      param_dtype="bf16" if bf16 else "fp32", reduce_dtype="fp32")
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{s}-{m}-{'bf16' if b else 'fp32'}" for s, m, b in CASES])
-def test_collective_bytes_match_the_planner(measured, index):
-    per_rank, node_of = measured
+def _each_rank(measured, index):
+    """``(rank, that rank's result, strategy, model name, bf16)`` for case ``index``."""
     strategy, model_name, bf16 = CASES[index]
-    strategy_enum = ShardingStrategy[strategy]
-    for rank, results in enumerate(per_rank):
-        got = results[index]
+    for rank, results in enumerate(measured[0]):
+        yield rank, results[index], ShardingStrategy[strategy], model_name, bf16
+
+
+BY_CASE = pytest.mark.parametrize(
+    "index", range(len(CASES)), ids=[f"{s}-{m}-{'bf16' if b else 'fp32'}" for s, m, b in CASES]
+)
+
+
+@BY_CASE
+def test_collective_bytes_match_the_planner(measured, index):
+    node_of = measured[1]
+    for rank, got, strategy_enum, model_name, bf16 in _each_rank(measured, index):
         sizes = got["sizes"]
         recorded = {key: _ring_bytes(key[0], sizes[key[1]], b) for key, b in got["bytes"].items()}
         shard_size, replicate_size = (sizes["shard"], sizes["replicate"])
@@ -154,19 +163,15 @@ def test_collective_bytes_match_the_planner(measured, index):
             assert math.isclose(on_links[link], value, rel_tol=1e-12, abs_tol=1e-9), (rank, link, on_links, planned.bytes_by_link)
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{s}-{m}-{'bf16' if b else 'fp32'}" for s, m, b in CASES])
+@BY_CASE
 def test_held_memory_matches_the_planner(measured, index):
     """Master and gradient shards: exactly the planner's terms for the padded sizes. Their sum with
     the AdamW state: within 10% of the planner's figure for the raw parameter count, for the test
     GPT (the state skips frozen parameters and padding, and adds a 4-byte step per parameter).
     OddNet, with 36 parameters per rank, is too small for a ratio to mean anything there."""
-    per_rank, _ = measured
-    strategy, model_name, bf16 = CASES[index]
-    strategy_enum = ShardingStrategy[strategy]
-    for rank, results in enumerate(per_rank):
-        got = results[index]
+    for rank, got, strategy_enum, model_name, bf16 in _each_rank(measured, index):
         held = got["held"]
-        shard_size = got["sizes"]["shard"] if strategy != "NO_SHARD" else 1
+        shard_size = got["sizes"]["shard"] if strategy_enum is not ShardingStrategy.NO_SHARD else 1
         exact = memory(strategy_enum, shard_size, _spec(got["units"], padded=True, bf16=bf16))
         assert (held["params"], held["grads"]) == (exact.params, exact.grads), (rank, held, exact)
         if model_name != "gpt":
