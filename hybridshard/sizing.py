@@ -218,7 +218,9 @@ def _groups(strategy: ShardingStrategy, cluster: ClusterSpec, shard_size: int) -
     return shard_size, world // shard_size
 
 
-def step_collectives(strategy: ShardingStrategy, shard_size: int, replicate_size: int, model: ModelSpec) -> dict[tuple[str, str], float]:
+def step_collectives(
+    strategy: ShardingStrategy, shard_size: int, replicate_size: int, *, model: ModelSpec
+) -> dict[tuple[str, str], float]:
     """Ring bytes per rank per step by ``(kind, group)``; see [Note: ring model].
 
     Groups are named as the runtime names them: ``"shard"``/``"replicate"`` for hybrid strategies,
@@ -248,7 +250,7 @@ def _link_of(group: str, cluster: ClusterSpec) -> LinkClass:
     return LinkClass.INTER_NODE  # the world, or a replicate group (a member in every shard group, so on every node)
 
 
-def memory(strategy: ShardingStrategy, shard_size: int, model: ModelSpec) -> MemoryEstimate:
+def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec) -> MemoryEstimate:
     """Per-GPU bytes; docs/planning.md explains each term."""
     shard_numel = -(-model.num_params // shard_size)
     b_p, b_m = model.b_param, model.b_master
@@ -274,20 +276,23 @@ def memory(strategy: ShardingStrategy, shard_size: int, model: ModelSpec) -> Mem
     )
 
 
-def estimate(strategy: ShardingStrategy, shard_size: int, model: ModelSpec, cluster: ClusterSpec) -> Estimate:
+def estimate(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, cluster: ClusterSpec) -> Estimate:
     """Memory and communication of ``strategy`` with ``shard_size`` (ignored unless hybrid)."""
     s, r = _groups(strategy, cluster, shard_size)
     if s * r != cluster.world_size:
-        raise ValueError(f"shard size {s} does not divide the world size {cluster.world_size}; pick one of {shard_sizes(cluster)}")
-    collectives = step_collectives(strategy, s, r, model)
+        raise ValueError(
+            f"shard size {s} does not divide the world size {cluster.world_size}; pick one of {shard_sizes(cluster)}"
+        )
+    collectives = step_collectives(strategy, s, r, model=model)
     by_link = {LinkClass.INTRA_NODE: 0.0, LinkClass.INTER_NODE: 0.0}
     for (_, group), nbytes in collectives.items():
         by_link[_link_of(group, cluster)] += nbytes
     seconds = {link: nbytes * 8 / (cluster.gbps(link) * 1e9) for link, nbytes in by_link.items()}
-    mem = memory(strategy, s, model)
+    mem = memory(strategy, s, model=model)
     notes = []
     if not strategy.is_hybrid and strategy is not ShardingStrategy.NO_SHARD and cluster.num_nodes > 1:
-        notes.append(f"its shard group spans {cluster.num_nodes} nodes: its gathers and reduce-scatters run at inter-node speed")
+        spans = f"its shard group spans {cluster.num_nodes} nodes"
+        notes.append(f"{spans}: its gathers and reduce-scatters run at inter-node speed")
     if strategy.is_hybrid and s < min(cluster.node_sizes):
         notes.append(f"{min(cluster.node_sizes) // s} shard groups per node: the replicate ring also has NVLink edges")
     return Estimate(
@@ -303,13 +308,16 @@ def estimate(strategy: ShardingStrategy, shard_size: int, model: ModelSpec, clus
     )
 
 
-def estimate_all(model: ModelSpec, cluster: ClusterSpec, *, hybrid_shard_sizes: Sequence[int] | None = None) -> list[Estimate]:
+def estimate_all(
+    *, model: ModelSpec, cluster: ClusterSpec, hybrid_shard_sizes: Sequence[int] | None = None
+) -> list[Estimate]:
     """Every strategy, and every hybrid strategy at every shard size that tiles the nodes."""
     sizes = list(hybrid_shard_sizes) if hybrid_shard_sizes is not None else shard_sizes(cluster)
-    out = [estimate(s, cluster.world_size, model, cluster) for s in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)]
-    out.append(estimate(ShardingStrategy.NO_SHARD, 1, model, cluster))
+    world_sharded = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+    out = [estimate(s, cluster.world_size, model=model, cluster=cluster) for s in world_sharded]
+    out.append(estimate(ShardingStrategy.NO_SHARD, 1, model=model, cluster=cluster))
     for strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2):
-        out += [estimate(strategy, s, model, cluster) for s in sizes]
+        out += [estimate(strategy, s, model=model, cluster=cluster) for s in sizes]
     return out
 
 
@@ -317,7 +325,7 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.1f} GB"
 
 
-def recommend(estimates: Sequence[Estimate], cluster: ClusterSpec) -> Recommendation:
+def recommend(estimates: Sequence[Estimate], *, cluster: ClusterSpec) -> Recommendation:
     """The fitting option with the least communication time; ties (within 1%) go to less memory."""
     fitting = [e for e in estimates if e.fits]
     if not fitting:

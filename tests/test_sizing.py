@@ -8,7 +8,9 @@ import math
 import pytest
 
 from hybridshard.cli import main
-from hybridshard.sizing import ClusterSpec, LinkClass, ModelSpec, Optimizer, estimate, estimate_all, memory, recommend, shard_sizes, step_collectives
+from hybridshard.sizing import (
+    ClusterSpec, LinkClass, ModelSpec, Optimizer, estimate, estimate_all, memory, recommend, shard_sizes, step_collectives,
+)
 from hybridshard.sizing_format import parse_bytes, parse_count
 from hybridshard.strategy import ShardingStrategy as S
 from hybridshard.topology.synthetic import synthetic_cluster
@@ -19,7 +21,7 @@ TWO_NODES = ClusterSpec(node_sizes=(4, 4), gpu_memory_bytes=10**6, intra_node_gb
 
 
 def test_hybrid_shard_bytes_follow_the_ring_formulas():
-    e = estimate(S.HYBRID_SHARD, 4, MODEL, TWO_NODES)
+    e = estimate(S.HYBRID_SHARD, 4, model=MODEL, cluster=TWO_NODES)
     assert (e.shard_size, e.replicate_size) == (4, 2)
     # intra (S-1)/S * P * (2 b_param + b_grad); inter 2 (R-1)/R * P * b_grad / S
     assert e.bytes_by_link[INTRA] == pytest.approx(3 / 4 * 1000 * (2 * 2 + 4))
@@ -35,37 +37,37 @@ def test_hybrid_shard_bytes_follow_the_ring_formulas():
 
 def test_root_unit_is_gathered_once_and_zero2_gathers_once():
     rooted = ModelSpec(num_params=1000, unit_params=100, root_params=200, param_dtype="fp32")
-    zero3 = step_collectives(S.HYBRID_SHARD, 4, 2, rooted)
-    zero2 = step_collectives(S.HYBRID_SHARD_ZERO2, 4, 2, rooted)
+    zero3 = step_collectives(S.HYBRID_SHARD, 4, 2, model=rooted)
+    zero2 = step_collectives(S.HYBRID_SHARD_ZERO2, 4, 2, model=rooted)
     assert zero3[("all_gather", "shard")] == pytest.approx(3 / 4 * (2 * 1000 - 200) * 4)
     assert zero2[("all_gather", "shard")] == pytest.approx(3 / 4 * 1000 * 4)
     assert zero2[("reduce_scatter", "shard")] == zero3[("reduce_scatter", "shard")]
 
 
 def test_full_shard_across_nodes_runs_on_the_inter_node_link():
-    across = estimate(S.FULL_SHARD, 8, MODEL, TWO_NODES)
+    across = estimate(S.FULL_SHARD, 8, model=MODEL, cluster=TWO_NODES)
     assert across.shard_size == 8 and across.bytes_by_link[INTRA] == 0
     assert across.bytes_by_link[INTER] == pytest.approx(7 / 8 * (2000 * 2 + 1000 * 4))
     assert any("spans 2 nodes" in n for n in across.notes)
     one_node = ClusterSpec(node_sizes=(8,), gpu_memory_bytes=10**6)
-    inside = estimate(S.FULL_SHARD, 8, MODEL, one_node)
+    inside = estimate(S.FULL_SHARD, 8, model=MODEL, cluster=one_node)
     assert inside.bytes_by_link[INTER] == 0 and inside.bytes_by_link[INTRA] == across.bytes_by_link[INTER]
 
 
 def test_no_shard_all_reduces_everything_over_the_world():
-    e = estimate(S.NO_SHARD, 1, MODEL, TWO_NODES)
+    e = estimate(S.NO_SHARD, 1, model=MODEL, cluster=TWO_NODES)
     assert (e.shard_size, e.replicate_size) == (1, 8)
     assert e.collectives == pytest.approx({("all_reduce", "world"): 2 * 7 / 8 * 1000 * 4})
 
 
 def test_memory_terms():
-    m = memory(S.HYBRID_SHARD, 3, MODEL)  # 1000 / 3 -> 334 elements per rank (the last shard padded)
+    m = memory(S.HYBRID_SHARD, 3, model=MODEL)  # 1000 / 3 -> 334 elements per rank (the last shard padded)
     assert (m.params, m.grads, m.optimizer) == (334 * 4, 334 * 4, 2 * 334 * 4)
     assert m.gathered == 100 * 2 + 100 * 2 + 100 * 4  # unit params (bf16), its grad (bf16) and fp32 copy
-    zero2 = memory(S.HYBRID_SHARD_ZERO2, 3, MODEL)
+    zero2 = memory(S.HYBRID_SHARD_ZERO2, 3, model=MODEL)
     assert zero2.gathered == 1000 * 2 + 100 * 2 + 100 * 4  # every unit stays gathered
     fp32 = ModelSpec(num_params=1000, unit_params=100, param_dtype="fp32", optimizer=Optimizer.SGD)
-    replicated = memory(S.NO_SHARD, 1, fp32)
+    replicated = memory(S.NO_SHARD, 1, model=fp32)
     assert replicated.gathered == 100 * 4  # the master is the compute buffer; only the unit's gradient
     assert replicated.optimizer == 1000 * 4 and replicated.total == 4000 * 3 + 400
 
@@ -74,7 +76,7 @@ def test_shard_sizes_tile_every_node():
     assert shard_sizes(TWO_NODES) == [2, 4]
     assert shard_sizes(ClusterSpec(node_sizes=(8, 4), gpu_memory_bytes=1)) == [2, 4]
     assert shard_sizes(ClusterSpec(node_sizes=(3, 2), gpu_memory_bytes=1)) == []
-    options = estimate_all(MODEL, TWO_NODES)
+    options = estimate_all(model=MODEL, cluster=TWO_NODES)
     assert [(e.strategy.name, e.shard_size) for e in options] == [
         ("FULL_SHARD", 8), ("SHARD_GRAD_OP", 8), ("NO_SHARD", 1),
         ("HYBRID_SHARD", 2), ("HYBRID_SHARD", 4), ("HYBRID_SHARD_ZERO2", 2), ("HYBRID_SHARD_ZERO2", 4),
@@ -82,13 +84,13 @@ def test_shard_sizes_tile_every_node():
 
 
 def test_recommendation_fits_and_is_fastest():
-    options = estimate_all(MODEL, TWO_NODES)
-    rec = recommend(options, TWO_NODES)
+    options = estimate_all(model=MODEL, cluster=TWO_NODES)
+    rec = recommend(options, cluster=TWO_NODES)
     fitting = [e for e in options if e.fits]
     assert rec.choice in fitting
     assert rec.choice.comm_seconds <= min(e.comm_seconds for e in fitting) * 1.01
     tiny = ClusterSpec(node_sizes=(4, 4), gpu_memory_bytes=100)
-    nothing = recommend(estimate_all(MODEL, tiny), tiny)
+    nothing = recommend(estimate_all(model=MODEL, cluster=tiny), cluster=tiny)
     assert nothing.choice is None and "nothing fits" in nothing.reason and "FULL_SHARD" in nothing.reason
 
 
@@ -146,12 +148,12 @@ def test_cli_json_matches_the_math(capsys):
     data = json.loads(capsys.readouterr().out)
     model = ModelSpec(num_params=1_300_000_000, unit_params=-(-1_300_000_000 // 24), optimizer=Optimizer.SGD)
     cluster = ClusterSpec(node_sizes=(4, 4, 4, 4), gpu_memory_bytes=24 * 10**9, inter_node_gbps=100.0)
-    expected = estimate_all(model, cluster)
+    expected = estimate_all(model=model, cluster=cluster)
     assert [(o["strategy"], o["shard_size"]) for o in data["options"]] == [(e.strategy.name, e.shard_size) for e in expected]
     for got, want in zip(data["options"], expected):
         assert got["memory_bytes"]["total"] == want.memory.total and got["fits"] == want.fits
         assert math.isclose(got["comm_seconds"], want.comm_seconds)
-    rec = recommend(expected, cluster).choice
+    rec = recommend(expected, cluster=cluster).choice
     assert data["recommended"] == {"strategy": rec.strategy.name, "shard_size": rec.shard_size, "replicate_size": rec.replicate_size}
 
 

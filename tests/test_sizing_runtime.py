@@ -142,19 +142,19 @@ def test_collective_bytes_match_the_planner(measured, index):
         sizes = got["sizes"]
         recorded = {key: _ring_bytes(key[0], sizes[key[1]], b) for key, b in got["bytes"].items()}
         shard_size, replicate_size = (sizes["shard"], sizes["replicate"])
-        exact = step_collectives(strategy_enum, shard_size, replicate_size, _spec(got["units"], padded=True, bf16=bf16))
+        exact = step_collectives(strategy_enum, shard_size, replicate_size, model=_spec(got["units"], padded=True, bf16=bf16))
         assert recorded.keys() == exact.keys(), (rank, recorded, exact)
         for key, value in exact.items():
             assert math.isclose(recorded[key], value, rel_tol=1e-12), (rank, key, recorded[key], value)
         # From the raw parameter count: low by at most the largest relative padding of one unit.
-        raw = step_collectives(strategy_enum, shard_size, replicate_size, _spec(got["units"], padded=False, bf16=bf16))
+        raw = step_collectives(strategy_enum, shard_size, replicate_size, model=_spec(got["units"], padded=False, bf16=bf16))
         worst = max(p / n - 1 for n, p in got["units"])
         assert (worst == 0) == (model_name == "gpt"), got["units"]
         for key, value in raw.items():
             assert value <= recorded[key] * (1 + 1e-12) and recorded[key] <= value * (1 + worst) * (1 + 1e-12), key
         # Link classes: a group whose members sit on one node is intra-node, else inter-node.
-        planned = estimate(strategy_enum, shard_size, _spec(got["units"], padded=True, bf16=bf16),
-                           ClusterSpec(node_sizes=(2, 2), gpu_memory_bytes=10**9))
+        planned = estimate(strategy_enum, shard_size, model=_spec(got["units"], padded=True, bf16=bf16),
+                           cluster=ClusterSpec(node_sizes=(2, 2), gpu_memory_bytes=10**9))
         on_links = {LinkClass.INTRA_NODE: 0.0, LinkClass.INTER_NODE: 0.0}
         for (kind, group), value in recorded.items():
             nodes = {node_of[r] for r in got["members"][group]}
@@ -172,11 +172,11 @@ def test_held_memory_matches_the_planner(measured, index):
     for rank, got, strategy_enum, model_name, bf16 in _each_rank(measured, index):
         held = got["held"]
         shard_size = got["sizes"]["shard"] if strategy_enum is not ShardingStrategy.NO_SHARD else 1
-        exact = memory(strategy_enum, shard_size, _spec(got["units"], padded=True, bf16=bf16))
+        exact = memory(strategy_enum, shard_size, model=_spec(got["units"], padded=True, bf16=bf16))
         assert (held["params"], held["grads"]) == (exact.params, exact.grads), (rank, held, exact)
         if model_name != "gpt":
             continue
-        planned = memory(strategy_enum, shard_size, _spec(got["units"], padded=False, bf16=bf16))
+        planned = memory(strategy_enum, shard_size, model=_spec(got["units"], padded=False, bf16=bf16))
         predicted = planned.params + planned.grads + planned.optimizer
         actual = held["params"] + held["grads"] + held["optimizer"]
         assert abs(actual - predicted) <= 0.10 * predicted, (rank, held, planned)

@@ -123,8 +123,8 @@ def _size(args: argparse.Namespace, cluster: ClusterView) -> str:
         if args.shard_size not in sizing.shard_sizes(spec):
             raise ValueError(f"--shard-size {args.shard_size} does not tile the nodes; pick one of {sizing.shard_sizes(spec)}")
         hybrid_sizes = [args.shard_size]
-    estimates = sizing.estimate_all(model, spec, hybrid_shard_sizes=hybrid_sizes)
-    rec = sizing.recommend(estimates, spec)
+    estimates = sizing.estimate_all(model=model, cluster=spec, hybrid_shard_sizes=hybrid_sizes)
+    rec = sizing.recommend(estimates, cluster=spec)
     if args.json:
         return json.dumps(to_dict(model, spec, estimates, rec), indent=2)
     return render_text(model, spec, estimates, rec, unit_source=source)
