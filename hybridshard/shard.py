@@ -32,6 +32,7 @@ def shard(
     *,
     strategy: ShardingStrategy | str = ShardingStrategy.HYBRID_SHARD,
     groups: Any = None,
+    mesh: Any = None,
     wrap: WrapPolicy = None,
     mixed_precision: MixedPrecision | None = None,
     device: torch.device | str | None = None,
@@ -45,8 +46,10 @@ def shard(
     use ``groups``, a :class:`hybridshard.ShardGroups`; ``None`` means :func:`hybridshard.init_groups`
     when any unit is hybrid. The other units always use the default group (FULL_SHARD /
     SHARD_GRAD_OP shard over the whole job, NO_SHARD replicates over it), even when ``groups`` is
-    given. Collective over the default group: every rank calls it with the same model structure and
-    arguments.
+    given. ``mesh`` is the alternative to ``groups``: a ``DeviceMesh``, 2-D with dims
+    ``("replicate", "shard")`` as FSDP2 takes it, or 1-D to shard over it (see [Note: meshes in] in
+    :mod:`hybridshard.mesh`); pass one of the two. Collective over the default group: every rank calls
+    it with the same model structure and arguments.
 
     ``debug=True`` (or ``HYBRIDSHARD_DEBUG=1``) makes every collective of this process first check
     that its group agrees on it, turning ranks that run different forwards/backwards into a
@@ -68,7 +71,7 @@ def shard(
     _check_low_precision_grads(mixed_precision, torch.Tensor)
     specs = plan_units(model, wrap)
     strategies = [spec.strategy or strategy for spec in specs]
-    pairs, shard_groups = _resolve_groups(strategies, groups)
+    pairs, shard_groups = _resolve_groups(strategies, groups, mesh)
     device = _resolve_device(device, shard_groups)
     _check_devices(model, device)
     plan = [(spec.name or "<root>", s.name) for spec, s in zip(specs, strategies)]
@@ -117,12 +120,21 @@ def _check_low_precision_grads(mp: MixedPrecision | None, tensor_type: type) -> 
 
 
 def _resolve_groups(
-    strategies: Sequence[ShardingStrategy], groups: Any
+    strategies: Sequence[ShardingStrategy], groups: Any, mesh: Any = None
 ) -> tuple[dict[ShardingStrategy, C.GroupPair], Any]:
     """One :class:`GroupPair` per strategy; strategies that communicate alike share the same object."""
     world = dist.get_world_size()
     pairs: dict[ShardingStrategy, C.GroupPair] = {}
-    if any(s.is_hybrid for s in strategies):
+    if mesh is not None:
+        if groups is not None:
+            raise ValueError(
+                "pass either groups= or mesh=, not both; found both. Keep groups=init_groups() or "
+                "mesh=<DeviceMesh ('replicate', 'shard')> (init_groups().mesh is the same grid as a mesh)"
+            )
+        from hybridshard.mesh import pair_from_mesh
+
+        pairs[ShardingStrategy.HYBRID_SHARD] = pairs[ShardingStrategy.HYBRID_SHARD_ZERO2] = pair_from_mesh(mesh)
+    elif any(s.is_hybrid for s in strategies):
         if groups is None:
             from hybridshard.groups import init_groups
 
