@@ -18,7 +18,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["clip_grad_norm_"]
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    model: nn.Module, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+) -> torch.Tensor:
     """Scale the gradients of a sharded ``model`` so their global norm is at most ``max_norm``.
 
     Returns the global norm before clipping, the same value ``torch.nn.utils.clip_grad_norm_``
@@ -61,6 +63,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if group_size > 1:
         C.all_reduce(local, group, op=op)
     total = local[0] if math.isinf(norm_type) else local[0].pow(1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        # The norm is global, so every rank takes this branch together: no rank is left waiting.
+        raise RuntimeError(
+            f"the total gradient norm is {float(total)}: a NaN or inf gradient on some rank (a NaN loss on one "
+            "rank reaches every rank through the gradient reduction); skip this step (optimizer.zero_grad()) "
+            "or find the bad batch, or pass error_if_nonfinite=False to clip anyway"
+        )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for unit in units:
         for g in _grads(unit):

@@ -202,8 +202,10 @@ def _digest(model: nn.Module, values: bool) -> list[tuple[str, tuple[int, ...], 
         for name, p in model.named_parameters():
             d = p.detach().double()
             s, a = (float(d.sum()), float(d.abs().sum())) if values else (0.0, 0.0)
-            # Hex strings compare equal for equal values, NaN included.
-            out.append((name, tuple(p.shape), str(p.dtype), s.hex(), a.hex()))
+            # Hex strings compare equal for equal values, NaN included. Frozen-ness is structure: a
+            # parameter frozen on some ranks only would reduce gradients on the others alone.
+            kind = str(p.dtype) + ("" if p.requires_grad else " frozen")
+            out.append((name, tuple(p.shape), kind, s.hex(), a.hex()))
     return out
 
 

@@ -229,6 +229,19 @@ def check_bad_input(case):
             hs.shard(model, strategy="HYBRID_SHARD", groups=bad)
         elif case == "strategy":
             hs.shard(model, strategy="zero3")
+        elif case == "frozen_some_ranks":
+            if dist.get_rank() == 1:
+                model.blocks[0].fc1.weight.requires_grad_(False)
+            _shard(model)
+        elif case == "dtype":
+            hs.MixedPrecision(param_dtype="bf16")
+        elif case == "unsharded_no_sync":
+            with hs.no_sync(model):
+                pass
+        elif case == "unsharded_clip":
+            hs.clip_grad_norm_(model, 1.0)
+        elif case == "unsharded_state_dict":
+            hs.full_state_dict(model)
         elif case == "unit_strategy":
             hs.shard(model, groups=RM.groups(), wrap={RM.Block: "zero3"})
     except ValueError as e:
@@ -245,6 +258,12 @@ def check_bad_input(case):
         ("device", "'blocks.0.fc2.weight' is on meta"),
         ("groups", "shard group size 4 x replicate group size 4 = 16, but the job has 4 ranks"),
         ("strategy", "strategy must be a ShardingStrategy"),
+        ("frozen_some_ranks", "differs across ranks at parameter 'blocks.0.fc1.weight': rank 0 has "
+         "blocks.0.fc1.weight shape [32, 16] torch.float32 (sum"),
+        ("dtype", "MixedPrecision.param_dtype must be a floating dtype"),
+        ("unsharded_no_sync", "TinyLM is not sharded: call hybridshard.shard(model, ...) first"),
+        ("unsharded_clip", "TinyLM is not sharded"),
+        ("unsharded_state_dict", "TinyLM is not sharded"),
         ("unit_strategy", "wrap[Block] must be a ShardingStrategy, one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
          "HYBRID_SHARD, HYBRID_SHARD_ZERO2 (any case), or None for the model's strategy; got 'zero3'"),
     ],
@@ -323,3 +342,30 @@ def check_backward_that_raises(strategy):
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD_ZERO2", "NO_SHARD"])
 def test_backward_that_raises_then_next_step(pool, strategy):
     assert all(pool.run(check_backward_that_raises, strategy))
+
+
+def check_nan_loss_on_one_rank(strategy):
+    """A NaN loss on rank 1: no hang; the reduction carries NaN to every rank's gradient, and the
+    clip reports it on every rank alike (or raises on every rank with ``error_if_nonfinite``)."""
+    model = RM.make_model()
+    _shard(model, strategy)
+    tokens = RM.batch(0, 0, dist.get_rank(), 2)
+    loss = RM.lm_loss(model(tokens), tokens)
+    if dist.get_rank() == 1:
+        loss = loss * float("nan")
+    loss.backward()
+    norm = float(hs.clip_grad_norm_(model, 1.0))
+    nan_grads = all(bool(p.grad.isnan().any()) for p in model.parameters() if p.grad is not None and p.grad.numel())
+    try:
+        hs.clip_grad_norm_(model, 1.0, error_if_nonfinite=True)
+        raised = ""
+    except RuntimeError as e:
+        raised = str(e)
+    return norm, nan_grads, raised
+
+
+@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "NO_SHARD"])
+def test_nan_loss_on_one_rank(pool, strategy):
+    for norm, nan_grads, raised in pool.run(check_nan_loss_on_one_rank, strategy, timeout=30):
+        assert norm != norm and nan_grads
+        assert "total gradient norm is nan" in raised, raised
