@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import time
@@ -92,7 +91,14 @@ def _param_pieces(model: nn.Module, *, writing: bool) -> dict[str, tuple[tuple[i
 def _aliases(model: nn.Module) -> list[tuple[str, str]]:
     if is_sharded(model):
         return [a for unit in get_runtime(model).units for a in unit.flat.layout.aliases]
-    return []
+    first: dict[int, str] = {}
+    out = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out.append((name, first[id(p)]))  # tied: stored once, under its first name
+        else:
+            first[id(p)] = name
+    return out
 
 
 def _buffers(model: nn.Module, param_names: set[str]) -> dict[str, torch.Tensor]:
@@ -238,11 +244,14 @@ def latest_checkpoint(directory: str | os.PathLike) -> str | None:
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         return None
-    found = [
-        name for name in os.listdir(directory)
-        if not re.search(r"\.(partial|old)$", name) and os.path.isfile(os.path.join(directory, name, MANIFEST))
-    ]
-    return os.path.join(directory, max(found)) if found else None
+    found = {}
+    for name in os.listdir(directory):
+        if name.endswith(_PARTIAL) or not os.path.isfile(os.path.join(directory, name, MANIFEST)):
+            continue
+        base = name[: -len(_OLD)] if name.endswith(_OLD) else name  # see [Note: atomic publish]
+        if base not in found or name == base:
+            found[base] = name
+    return os.path.join(directory, found[max(found)]) if found else None
 
 
 # -- load ------------------------------------------------------------------------------------------

@@ -114,13 +114,17 @@ def full_optim_state_dict(
                 continue
             like = next(e[key] for e, per in zip(entries, elementwise) if per)
             shard = _shard_buffer(unit, [e[key] if per else None for e, per in zip(entries, elementwise)], like)
-            gathered = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
-            C.all_gather(gathered, shard, unit.groups.shard)
+            if layout.shard_size > 1:
+                gathered = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
+                C.all_gather(gathered, shard, unit.groups.shard)
+            else:  # NO_SHARD: the shard is the whole unit
+                gathered = shard
             if keep:
                 for slot, per in zip(layout.slots, elementwise):
                     if per:
-                        value = gathered[slot.offset : slot.end].view(slot.shape).clone()
-                        state.setdefault(slot.name, {})[key] = value.cpu() if to_cpu else value
+                        value = gathered[slot.offset : slot.end].view(slot.shape)
+                        value = value.to("cpu", copy=True) if to_cpu else value.clone()
+                        state.setdefault(slot.name, {})[key] = value
             del gathered, shard
     return {"state": state if keep else {}, "param_groups": groups}
 

@@ -8,7 +8,8 @@ the one that gets saved. Each rank reduces its master shard's *bits* (not its va
 -0.0 count) to two int64 sums, a plain one and a position-weighted one (which also catches swapped
 elements); one all-gather per distinct replicate group compares them. A unit whose replicate group
 is one rank (FULL_SHARD, SHARD_GRAD_OP) has nothing to compare. On a mismatch every rank raises,
-not only the ranks of the bad group: a one-number all-reduce over the job tells them all.
+not only the ranks of the bad group: a one-number all-reduce over the job tells them all, and
+then (only then) the findings are gathered so every rank's message names the same ranks.
 """
 
 from __future__ import annotations
@@ -81,10 +82,12 @@ def check_replicas(model: nn.Module) -> None:
     C.all_reduce(flag, None)
     if flag.item() == 0:
         return
-    if not findings:
-        findings = ["in a replicate group this rank is not part of"]
+    # Slow path, every rank alike: collect every group's findings so each rank names the same ranks.
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, findings)
+    findings = list(dict.fromkeys(f for part in everyone for f in part))
     raise ReplicaDivergence(
-        f"rank {dist.get_rank()}: replicas diverged: " + "; ".join(findings)
+        "replicas diverged: " + "; ".join(findings)
         + ". The run is no longer data parallel: restart from the last checkpoint saved before the divergence "
         "(and check the named ranks' hardware)"
     )
