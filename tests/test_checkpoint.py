@@ -141,7 +141,7 @@ def _named_optim(model, opt) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def test_replicas_split_the_writing(pool, tmp_path):
+def test_replicas_split_the_writing(pool, tmp_path, capsys):
     """Each rank writes a part of the parameters: no replica writes everything, nothing is written twice."""
     path = str(tmp_path / "split")
     results = pool.run(stage, "HYBRID_SHARD", load=None, save=path, seed=1, train_steps=1)
@@ -164,6 +164,17 @@ def test_replicas_split_the_writing(pool, tmp_path):
     manifest = CK.read_manifest(path)
     assert manifest["strategy"] == "HYBRID_SHARD" and manifest["nodes"] == ["node0", "node0", "node1", "node1"]
     assert manifest["bytes_per_rank"] == list(per_rank)
+
+    # `hybridshard ckpt inspect` tells the same without a process group.
+    from hybridshard.cli import main
+
+    assert main(["ckpt", "inspect", str(tmp_path)]) == 0  # a directory of checkpoints: the latest
+    out = capsys.readouterr().out
+    assert "strategy   HYBRID_SHARD; world size 4" in out and "nodes      node0, node1" in out
+    assert f"written    {sum(per_rank):,} bytes" in out
+    assert "model.blocks.0.fc1.weight" in out and "32x16" in out and "optim.state.pos.exp_avg_sq" in out
+    assert main(["ckpt", "inspect", str(tmp_path / "none")]) == 1
+    assert "no complete checkpoint" in capsys.readouterr().err
 
 
 def corrupt_and_check(strategy: str, corrupt_rank: int | None) -> str:
