@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hybridshard import optim_state as O
@@ -182,7 +183,10 @@ def save_checkpoint(
     logger.info("save %s: rank %d writing %d sharded keys and %d whole entries", final, rank, len(pieces), len(plain))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(plain, storage_writer=writer, planner=planner, no_dist=not sharded)
+        try:
+            dcp.save(plain, storage_writer=writer, planner=planner, no_dist=not sharded)
+        except CheckpointException as exc:
+            raise _unwrap(exc, f"save_checkpoint({final})") from None
     written = sum(
         os.path.getsize(os.path.join(partial, f)) for f in os.listdir(partial) if f.startswith(f"__{rank}_")
     )
@@ -211,6 +215,13 @@ def save_checkpoint(
     if sharded:
         dist.barrier()  # nobody returns (and, say, loads) before the directory is there
     return SaveResult(final, tuple(per_rank), time.perf_counter() - t0)
+
+
+def _unwrap(exc: CheckpointException, what: str) -> Exception:
+    """DCP's ``CheckpointException`` (a ``BaseException``) as the first rank's own error type and message."""
+    rank, (first, _) = min(exc.failures.items(), key=lambda kv: kv[0])
+    kind = ValueError if isinstance(first, ValueError) else RuntimeError
+    return kind(f"{what} failed on rank {rank}: {first}")
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -301,7 +312,7 @@ def load_checkpoint(
     if optimizer is not None:
         if manifest.get("optimizer") is None:
             raise ValueError(f"{path} holds no optimizer state (saved without optimizer=); load it without optimizer=")
-        O.check_groups(model, optimizer, _read_bytes(reader, "optim.param_groups", sharded))
+        O.check_groups(model, optimizer, _read_bytes(reader, "optim.param_groups"))
 
     pieces: dict[str, list[Piece]] = {}
     plain: dict[str, Any] = {}
@@ -332,7 +343,10 @@ def load_checkpoint(
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(plain, storage_reader=reader, planner=PieceLoadPlanner(pieces), no_dist=not sharded)
+        try:
+            dcp.load(plain, storage_reader=reader, planner=PieceLoadPlanner(pieces), no_dist=not sharded)
+        except CheckpointException as exc:
+            raise _unwrap(exc, f"load_checkpoint({path})") from None
     logger.info("load %s: read in %.2f s", path, time.perf_counter() - t0)
 
     # Everything is read: now change the model and the optimizer.
@@ -359,7 +373,7 @@ def load_checkpoint(
     return plain.get("extra")
 
 
-def _read_bytes(reader: dcp.FileSystemReader, key: str, sharded: bool) -> Any:
+def _read_bytes(reader: dcp.FileSystemReader, key: str) -> Any:
     """One bytes entry (small: hyperparameters), read on its own so it can be checked first."""
     out: dict[str, Any] = {key: None}
     with warnings.catch_warnings():

@@ -167,14 +167,14 @@ class PieceLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner for the whole-tensor and bytes entries, plus reads into ``pieces``.
 
     DCP computes the overlap of each requested box with every stored box, so any stored layout
-    fills any requested one. After the read, :meth:`missing` names keys whose boxes were not fully
-    covered (a checkpoint written by an incomplete save).
+    fills any requested one. A key whose requested elements the stored boxes do not fully cover (a
+    checkpoint a tool edited, or one written by an incomplete save) raises ``ValueError`` while
+    planning, before anything is read.
     """
 
     def __init__(self, pieces: dict[str, list[Piece]]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=False)
         self._chunks = _chunks_by_key(pieces)
-        self._covered: dict[str, int] = {}
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
@@ -183,7 +183,13 @@ class PieceLoadPlanner(DefaultLoadPlanner):
             if not chunks:
                 continue
             found = create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [c for c, _ in chunks])
-            self._covered[key] = sum(math.prod(item.lengths) for item in found)
+            wanted = sum(math.prod(c.sizes) for c, _ in chunks)
+            covered = sum(math.prod(item.lengths) for item in found)
+            if covered != wanted:
+                raise ValueError(
+                    f"checkpoint entry {key!r} holds {covered} of the {wanted} elements this rank needs; "
+                    "the checkpoint is incomplete: load an earlier one (hybridshard.latest_checkpoint)"
+                )
             items += found
         return dataclasses.replace(plan, items=items)
 
@@ -195,10 +201,3 @@ class PieceLoadPlanner(DefaultLoadPlanner):
                 data = data.narrow(dim, offset, length)
             return data
         return super().resolve_tensor(read_item)
-
-    def missing(self) -> list[str]:
-        """Keys whose requested elements the checkpoint does not fully hold."""
-        return [
-            key for key, chunks in self._chunks.items()
-            if chunks and self._covered.get(key, 0) != sum(math.prod(c.sizes) for c, _ in chunks)
-        ]

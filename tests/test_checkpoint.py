@@ -280,3 +280,34 @@ def test_mismatched_model_fails_naming_parameters_and_changes_nothing(pool, tmp_
         hs.load_checkpoint(path, RM.make_model(1), optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
     with pytest.raises(ValueError, match="no complete checkpoint"):
         hs.load_checkpoint(tmp_path / "nothing", RM.make_model(1))
+
+
+def test_flat_ranges_as_boxes_and_incomplete_checkpoints(tmp_path):
+    """Every flat range of a tensor is tiled, in order, by at most 2*ndim-1 contiguous boxes; a
+    checkpoint that lacks part of a tensor fails to load, naming the entry."""
+    from hybridshard.checkpoint_plan import Piece, PieceLoadPlanner, PieceSavePlanner, flat_range_boxes
+
+    for shape in [(5,), (3, 4), (2, 3, 4), (4, 1, 3)]:
+        full = torch.arange(torch.Size(shape).numel()).view(shape)
+        for start in range(full.numel() + 1):
+            for end in range(start, full.numel() + 1):
+                boxes = flat_range_boxes(shape, start, end)
+                assert len(boxes) <= 2 * len(shape) - 1
+                got = [full[tuple(slice(o, o + s) for o, s in zip(b.offsets, b.sizes))].reshape(-1) for b in boxes]
+                assert (torch.cat(got).tolist() if got else []) == list(range(start, end)), (shape, start, end)
+    path = str(tmp_path / "half")
+    dcp.save({}, checkpoint_id=path, planner=PieceSavePlanner({"w": [Piece((4, 4), 0, torch.arange(8.0))]}), no_dist=True)
+    with pytest.raises(BaseException, match="'w' holds 8 of the 16 elements"):  # DCP's CheckpointException
+        dcp.load({}, checkpoint_id=path, planner=PieceLoadPlanner({"w": [Piece((4, 4), 0, torch.empty(16))]}), no_dist=True)
+    # Through load_checkpoint: a ValueError naming the entry, and the model unchanged.
+    model = RM.make_model(0)
+    good = str(tmp_path / "good")
+    hs.save_checkpoint(good, model)
+    os.rename(os.path.join(good, "__0_0.distcp"), os.path.join(good, "moved"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises((ValueError, RuntimeError), match="load_checkpoint.*failed on rank 0"):
+        hs.load_checkpoint(good, model)
+    _assert_same_state(model.state_dict(), before, "after a failed read")
+    half = torch.empty(8)
+    dcp.load({}, checkpoint_id=path, planner=PieceLoadPlanner({"w": [Piece((4, 4), 0, half)]}), no_dist=True)
+    assert half.tolist() == list(range(8))
