@@ -3,7 +3,9 @@
 #
 #   1. this node's topology report;
 #   2. the cluster view and group plan, gathered from every rank of the 2-node job;
-#   3. a small GPT trained with HYBRID_SHARD on that job, loss and tokens/s per step.
+#   3. a small GPT trained with HYBRID_SHARD on that job, loss and tokens/s per step, saving sharded
+#      checkpoints; one rank is killed half-way, and the job is launched again and resumes from the
+#      latest checkpoint.
 #
 # The nodes are real separate hosts (network namespaces with their own hostnames, through
 # launch/local-cluster) where this machine allows it, and two torchrun agents on this host that
@@ -64,7 +66,17 @@ fi
 say "2/3  cluster view and group plan, via $how"
 on_cluster "$PY" -m hybridshard topo --cluster
 
-say "3/3  training a small GPT with $STRATEGY for $STEPS steps, via $how"
-on_cluster examples/train_gpt.py --steps "$STEPS" --strategy "$STRATEGY"
+CKPT="$(mktemp -d)/ckpt"
+KILL_AT=$((STEPS / 2 + 1))
+say "3/3  training a small GPT with $STRATEGY for $STEPS steps, via $how; rank 3 is killed at step $KILL_AT"
+on_cluster examples/train_gpt.py --steps "$STEPS" --strategy "$STRATEGY" --timeout-s 60 \
+    --checkpoint-dir "$CKPT" --save-every 2 --resume --kill-rank 3 --kill-at-step "$KILL_AT" \
+    || echo "(the job stopped: rank 3 was killed)"
+"$PY" -m hybridshard ckpt inspect "$CKPT" | head -12
+
+say "3/3  the same job again, resuming from the latest checkpoint in $CKPT"
+on_cluster examples/train_gpt.py --steps "$STEPS" --strategy "$STRATEGY" --timeout-s 60 \
+    --checkpoint-dir "$CKPT" --save-every 2 --resume --check-replicas-every 2
+rm -rf "$(dirname "$CKPT")"
 
 say "done"

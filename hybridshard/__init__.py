@@ -15,6 +15,9 @@ from hybridshard.layout import FlatLayout
 from hybridshard.runtime import no_sync
 from hybridshard.shard import shard
 from hybridshard.state_dict import full_state_dict, load_full_state_dict
+from hybridshard.checkpoint import SaveResult, latest_checkpoint, load_checkpoint, save_checkpoint
+from hybridshard.optim_state import full_optim_state_dict, load_full_optim_state_dict
+from hybridshard.replicas import ReplicaDivergence, check_replicas, maybe_check_replicas
 from hybridshard.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.unit import ShardedState, TrainingState
 # -- end runtime exports ----------------------------------------------------------------------
@@ -27,6 +30,15 @@ __all__ = [
     "ShardedState",
     "ShardingStrategy",
     "TrainingState",
+    "ReplicaDivergence",
+    "SaveResult",
+    "check_replicas",
+    "full_optim_state_dict",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_full_optim_state_dict",
+    "maybe_check_replicas",
+    "save_checkpoint",
     "clip_grad_norm_",
     "count_collectives",
     "full_state_dict",

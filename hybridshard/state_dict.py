@@ -8,13 +8,26 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
+import torch.distributed as dist
+
 from hybridshard import collectives as C
-from hybridshard.runtime import get_runtime
+from hybridshard.runtime import _ATTR, get_runtime
 from hybridshard.unit import ShardedState
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when ``model`` went through :func:`hybridshard.shard`."""
+    return getattr(model, _ATTR, None) is not None
+
+
+def _holds_rank0(unit) -> bool:
+    """True when this rank's shard group of ``unit`` contains global rank 0 (which then has every element)."""
+    group = unit.groups.shard
+    return dist.get_rank() == 0 if group is None else 0 in dist.get_process_group_ranks(group)
 
 
 def _check_idle(model: nn.Module, what: str) -> None:
@@ -26,28 +39,40 @@ def _check_idle(model: nn.Module, what: str) -> None:
             )
 
 
-def full_state_dict(model: nn.Module, *, to_cpu: bool = True) -> dict[str, torch.Tensor]:
-    """Every parameter gathered to full shape (master dtype) and every buffer, on every rank.
+def full_state_dict(model: nn.Module, *, to_cpu: bool = True, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter gathered to full shape (master dtype) and every buffer.
 
     Collective over each unit's shard group: all ranks must call it. Keys equal the unsharded
     model's ``state_dict()`` keys, tied parameters included under each of their names. A parameter
     whose ``.data`` was replaced since the last step is written back first, so the result shows it.
+
+    Units are gathered one at a time and each gathered buffer is freed before the next gather, so
+    device memory peaks at one unit above the shard; ``to_cpu`` (the default) moves each parameter
+    to the CPU as soon as it is gathered. With ``rank0_only`` only rank 0 keeps (and returns) the
+    state, the other ranks return ``{}``, and shard groups that do not contain rank 0 gather nothing.
     """
     _check_idle(model, "full_state_dict")
     runtime = get_runtime(model)
     keys = param_keys(model)
+    keep = not rank0_only or dist.get_rank() == 0
     full: dict[tuple[int, int], torch.Tensor] = {}  # (unit index, slot index) -> full value
     for u, unit in enumerate(runtime.units):
         flat, layout = unit.flat, unit.flat.layout
         flat.writeback_params()
+        if rank0_only and not _holds_rank0(unit):
+            continue
         if layout.shard_size > 1:
             gathered = torch.empty(layout.padded_numel, dtype=flat.sharded.dtype, device=flat.sharded.device)
             C.all_gather(gathered, flat.sharded, unit.groups.shard)
         else:
             gathered = flat.sharded
-        for i, slot in enumerate(layout.slots):
-            value = gathered[slot.offset : slot.end].view(slot.shape).clone()
-            full[(u, i)] = value.cpu() if to_cpu else value
+        if keep:
+            for i, slot in enumerate(layout.slots):
+                value = gathered[slot.offset : slot.end].view(slot.shape)
+                full[(u, i)] = value.to("cpu", copy=True) if to_cpu else value.clone()
+        del gathered  # freed before the next unit is gathered
+    if not keep:
+        return {}
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         if key in keys:
