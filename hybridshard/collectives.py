@@ -24,14 +24,18 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CollectiveCounts",
+    "DONE",
+    "Pending",
     "all_gather",
     "all_reduce",
+    "all_to_all",
     "broadcast",
     "count_collectives",
     "group_name",
     "group_size",
     "name_group",
     "reduce_scatter",
+    "ring_bytes",
 ]
 
 _NAMES: dict[int, str] = {}
@@ -55,17 +59,68 @@ def group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
+def ring_bytes(kind: str, n: int, input_bytes: float) -> float:
+    """Bytes one rank sends for a collective over ``n`` ranks in the ring model, from its input bytes.
+
+    An all-gather's input is one shard: ``(n-1) * input``. A reduce-scatter's or all-to-all's input
+    is the full tensor: ``(n-1)/n * input``. An all-reduce is a reduce-scatter then an all-gather:
+    ``2 (n-1)/n * input``. A broadcast pipelined along the ring sends its input once per rank.
+    """
+    if n <= 1:
+        return 0.0
+    if kind == "all_gather":
+        return (n - 1) * input_bytes
+    if kind in ("reduce_scatter", "all_to_all"):
+        return (n - 1) / n * input_bytes
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * input_bytes
+    return float(input_bytes)
+
+
 @dataclass
 class CollectiveCounts:
-    """Collectives issued while a :func:`count_collectives` block was open."""
+    """Collectives counted per ``(kind, group name)``: by a :func:`count_collectives` block, or by a
+    model's runtime for :func:`hybridshard.comm_stats`."""
 
     calls: Counter = field(default_factory=Counter)
     """``(kind, group name) -> number of calls``."""
+    elements: Counter = field(default_factory=Counter)
+    """``(kind, group name) -> elements of the input tensors``."""
     bytes: Counter = field(default_factory=Counter)
     """``(kind, group name) -> bytes of the input tensors``."""
+    ring_bytes: Counter = field(default_factory=Counter)
+    """``(kind, group name) -> bytes this rank sends in the ring model`` (see :func:`ring_bytes`)."""
 
     def get(self, kind: str, group: str) -> int:
         return self.calls[(kind, group)]
+
+    def record(self, kind: str, group: str, n: int, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        key = (kind, group)
+        self.calls[key] += 1
+        self.elements[key] += tensor.numel()
+        self.bytes[key] += nbytes
+        self.ring_bytes[key] += ring_bytes(kind, n, nbytes)
+
+    def reset(self) -> None:
+        for counter in (self.calls, self.elements, self.bytes, self.ring_bytes):
+            counter.clear()
+
+    def by_group(self) -> dict[str, dict[str, dict[str, float]]]:
+        """``{group: {kind: {"calls", "elements", "bytes", "ring_bytes"}}}``, plus a ``"total"``
+        entry per group holding its ring bytes."""
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for (kind, group), calls in sorted(self.calls.items()):
+            key = (kind, group)
+            out.setdefault(group, {})[kind] = {
+                "calls": calls,
+                "elements": self.elements[key],
+                "bytes": self.bytes[key],
+                "ring_bytes": self.ring_bytes[key],
+            }
+        for group, kinds in out.items():
+            kinds["total"] = {"ring_bytes": sum(v["ring_bytes"] for v in kinds.values())}
+        return out
 
 
 _ACTIVE: list[CollectiveCounts] = []
@@ -82,50 +137,118 @@ def count_collectives() -> Iterator[CollectiveCounts]:
         _ACTIVE.remove(counts)
 
 
-def _run(kind: str, group: dist.ProcessGroup | None, tensor: torch.Tensor, collective: Callable[[], Any]) -> None:
-    """Count, optionally check agreement, then run ``collective``; a failure names the group."""
+class Pending:
+    """A collective issued with ``async_op=True``: :meth:`wait` blocks until it finished (then runs
+    the local step that completes it, if any) and raises the named error if it failed."""
+
+    __slots__ = ("_work", "_kind", "_name", "_group", "_then", "_done")
+
+    def __init__(self, work: Any = None, kind: str = "", name: str = "", group: Any = None,
+                 then: Callable[[], None] | None = None) -> None:
+        self._work, self._kind, self._name, self._group, self._then = work, kind, name, group, then
+        self._done = work is None
+
+    def is_completed(self) -> bool:
+        return self._done or self._work.is_completed()
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        try:
+            self._work.wait()
+        except RuntimeError as err:
+            raise faults.collective_failed(self._kind, self._name, self._group, err) from err
+        self._done = True
+        if self._then is not None:
+            self._then()
+
+
+DONE = Pending()
+"""What an ``async_op=True`` call returns when it needed no communication."""
+
+
+def _run(
+    kind: str,
+    group: dist.ProcessGroup | None,
+    tensor: torch.Tensor,
+    collective: Callable[[bool], Any],
+    *,
+    stats: CollectiveCounts | None = None,
+    async_op: bool = False,
+    then: Callable[[], None] | None = None,
+) -> Pending | None:
+    """Count, optionally check agreement, then run ``collective(async_op)``; a failure names the group.
+
+    ``then`` is a local step that completes the collective (run after it, or by ``wait()``).
+    """
     name = group_name(group)
-    nbytes = tensor.numel() * tensor.element_size()
-    for counts in _ACTIVE:
-        counts.calls[(kind, name)] += 1
-        counts.bytes[(kind, name)] += nbytes
-    logger.debug("%s on %s: %d bytes", kind, name, nbytes)
+    n = group_size(group)
+    for counts in _ACTIVE if stats is None else [*_ACTIVE, stats]:
+        counts.record(kind, name, n, tensor)
+    logger.debug("%s on %s: %d bytes", kind, name, tensor.numel() * tensor.element_size())
     try:
         if faults.debug_enabled():
             faults.check_agreement(kind, name, group, tensor)
-        collective()
+        work = collective(async_op)
     except RuntimeError as err:
         raise faults.collective_failed(kind, name, group, err) from err
+    if async_op:
+        return Pending(work, kind, name, group, then)
+    if then is not None:
+        then()
+    return None
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+def _local(async_op: bool) -> Pending | None:
+    return DONE if async_op else None
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, *,
+               stats: CollectiveCounts | None = None, async_op: bool = False) -> Pending | None:
     """Concatenate every rank's ``shard`` into ``output`` (``group_size * shard.numel()`` elements)."""
     if group_size(group) == 1:
         output.copy_(shard)
-        return
-    _run("all_gather", group, shard, lambda: _ALL_GATHER(output, shard, group=group))
+        return _local(async_op)
+    return _run("all_gather", group, shard, lambda a: _ALL_GATHER(output, shard, group=group, async_op=a),
+                stats=stats, async_op=async_op)
 
 
-def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None, *,
+                   stats: CollectiveCounts | None = None, async_op: bool = False) -> Pending | None:
     """Sum ``full`` over the group and keep this rank's chunk in ``output``."""
     if group_size(group) == 1:
         output.copy_(full)
-        return
-    _run("reduce_scatter", group, full, lambda: _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=group))
+        return _local(async_op)
+    return _run("reduce_scatter", group, full,
+                lambda a: _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=group, async_op=a),
+                stats=stats, async_op=async_op)
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> None:
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM, *,
+               stats: CollectiveCounts | None = None, async_op: bool = False) -> Pending | None:
     """Reduce ``tensor`` in place over the group (``op`` defaults to a sum)."""
     if group_size(group) == 1:
-        return
-    _run("all_reduce", group, tensor, lambda: dist.all_reduce(tensor, op=op, group=group))
+        return _local(async_op)
+    return _run("all_reduce", group, tensor, lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a),
+                stats=stats, async_op=async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, *,
+               stats: CollectiveCounts | None = None, async_op: bool = False) -> Pending | None:
+    """Send chunk ``i`` of ``input`` to the group's rank ``i``; chunk ``j`` of ``output`` comes from rank ``j``."""
+    if group_size(group) == 1:
+        output.copy_(input)
+        return _local(async_op)
+    return _run("all_to_all", group, input,
+                lambda a: dist.all_to_all_single(output, input, group=group, async_op=a),
+                stats=stats, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
     """Copy global rank ``src``'s ``tensor`` to every member of the group."""
     if group_size(group) == 1:
         return
-    _run("broadcast", group, tensor, lambda: dist.broadcast(tensor, src=src, group=group))
+    _run("broadcast", group, tensor, lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a))
 
 
 @dataclass(frozen=True)
