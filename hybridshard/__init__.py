@@ -10,6 +10,7 @@ from hybridshard.groups import ShardGroups, init_groups
 
 # -- runtime exports (flat-parameter runtime) --------------------------------------------------
 from hybridshard.collectives import count_collectives
+from hybridshard.comm_stats import comm_stats
 from hybridshard.grad_norm import clip_grad_norm_
 from hybridshard.layout import FlatLayout
 from hybridshard.runtime import no_sync
@@ -40,6 +41,7 @@ __all__ = [
     "maybe_check_replicas",
     "save_checkpoint",
     "clip_grad_norm_",
+    "comm_stats",
     "count_collectives",
     "full_state_dict",
     "load_full_state_dict",

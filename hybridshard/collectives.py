@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -124,6 +125,7 @@ class CollectiveCounts:
 
 
 _ACTIVE: list[CollectiveCounts] = []
+_COUNT_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -183,8 +185,9 @@ def _run(
     """
     name = group_name(group)
     n = group_size(group)
-    for counts in _ACTIVE if stats is None else [*_ACTIVE, stats]:
-        counts.record(kind, name, n, tensor)
+    with _COUNT_LOCK:  # the communication thread counts too (see hybridshard.overlap)
+        for counts in _ACTIVE if stats is None else [*_ACTIVE, stats]:
+            counts.record(kind, name, n, tensor)
     logger.debug("%s on %s: %d bytes", kind, name, tensor.numel() * tensor.element_size())
     try:
         if faults.debug_enabled():

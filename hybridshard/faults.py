@@ -24,11 +24,13 @@ production runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -119,7 +121,7 @@ def collective_failed(kind: str, group_label: str, group: dist.ProcessGroup | No
 # -- debug agreement check ------------------------------------------------------------------------
 
 _DEBUG = {"on": os.environ.get("HYBRIDSHARD_DEBUG", "") not in ("", "0")}
-_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 _PHASES = ("setup", "forward", "backward", "no_sync backward", "other")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8)
 
@@ -137,6 +139,23 @@ class Where:
 
 
 where = Where()
+_THREAD = threading.local()
+
+
+def current_where() -> Where:
+    """:data:`where`, or what the calling thread was told it works for (see :func:`working_for`)."""
+    return getattr(_THREAD, "where", None) or where
+
+
+@contextlib.contextmanager
+def working_for(snapshot: Where) -> Iterator[None]:
+    """Collectives issued by this thread inside the block describe themselves as ``snapshot``: the
+    communication thread finishes a unit's gradient while the main thread has moved on."""
+    _THREAD.where = snapshot
+    try:
+        yield
+    finally:
+        _THREAD.where = None
 
 
 def debug_enabled() -> bool:
@@ -149,7 +168,7 @@ def set_debug(on: bool) -> None:
 
 def check_agreement(kind: str, group_label: str, group: dist.ProcessGroup | None, tensor: torch.Tensor) -> None:
     """All-gather this collective's fingerprint in ``group`` and raise if the members disagree."""
-    w = where
+    w = current_where()
     dtype_code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
     mine = torch.tensor(
         [_KINDS.index(kind), tensor.numel(), dtype_code, w.step, w.forward, _PHASES.index(w.phase), w.unit],

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import weakref
 from typing import Any, Iterator, Sequence
 
@@ -35,7 +36,10 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from hybridshard import collectives as C
 from hybridshard import faults
+from hybridshard.overlap import GradReducer
+from hybridshard.prefetch import Pass, Prefetcher
 from hybridshard.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.unit import SyncMode, Unit
 
@@ -55,6 +59,10 @@ class Runtime:
         strategy: ShardingStrategy,
         mixed_precision: MixedPrecision | None,
         device: torch.device,
+        *,
+        prefetch: int = 1,
+        overlap_grads: bool = True,
+        compressor: Any = None,
     ) -> None:
         self.model = model
         self.strategy = strategy
@@ -67,6 +75,19 @@ class Runtime:
         self._callback_queued = False
         self._callback_ref: weakref.ref | None = None
         self._handles: list[Any] = []
+        self.prefetch_depth = prefetch
+        self.prefetcher: Prefetcher | None = None
+        self.overlap_grads = overlap_grads
+        """Leave gradient collectives running through backward; see :mod:`hybridshard.overlap`."""
+        self.reducer = GradReducer()
+        self.compressor = compressor
+        """A :class:`~hybridshard.compression.ReplicateCompressor` for hybrid units, or ``None``."""
+        self.stats = C.CollectiveCounts()
+        """What the units' collectives moved; read by :func:`hybridshard.comm_stats`."""
+        self.steps = 0
+        """Backwards that reduced gradients (not inside ``no_sync``) since the stats were reset."""
+        self.hook_seconds: list[float] = []
+        """Per unit: wall time spent in the runtime's hooks since the stats were reset."""
 
     @property
     def root(self) -> Unit:
@@ -78,6 +99,8 @@ class Runtime:
     def attach(self, units: Sequence[Unit]) -> None:
         """Install the units and their hooks; see [Note: hook wiring]."""
         self.units = list(units)
+        self.prefetcher = Prefetcher(self.units, self.prefetch_depth)
+        self.hook_seconds = [0.0] * len(self.units)
         for index, unit in enumerate(self.units):
             unit.index = index
             is_root = unit is self.units[0]
@@ -91,12 +114,17 @@ class Runtime:
         param_dtype = self.mixed_precision.param_dtype if self.mixed_precision else None
 
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+            started = time.perf_counter()
             if is_root and self._callback_queued and not self._backward_running():
                 self._recover_aborted_backward()
             if is_root and not self.in_backward:
                 faults.where.forward += 1
                 faults.where.phase = "forward"
+                self.prefetcher.begin(Pass.FORWARD)
+            if not self.in_backward:
+                self.prefetcher.before_unit(Pass.FORWARD, unit)
             unit.pre_forward()
+            self.hook_seconds[unit.index] += time.perf_counter() - started
             if is_root and param_dtype is not None and not self.in_backward:
                 cast = lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                 return tree_map(cast, args), tree_map(cast, kwargs)
@@ -106,7 +134,12 @@ class Runtime:
 
     def _make_post_hook(self, unit: Unit):
         def post_hook(module: nn.Module, args: tuple, output: Any):
-            return unit.post_forward(output)
+            started = time.perf_counter()
+            output = unit.post_forward(output)
+            if self.is_root(unit) and not self.in_backward:
+                self.prefetcher.end_forward()
+            self.hook_seconds[unit.index] += time.perf_counter() - started
+            return output
 
         return post_hook
 
@@ -117,6 +150,7 @@ class Runtime:
         self.in_backward = True
         faults.where.phase = "backward" if self.sync_mode is SyncMode.SYNC else "no_sync backward"
         if not self._callback_queued:
+            self.prefetcher.begin(Pass.BACKWARD)
             callback = _FinishBackward(self)
             self._callback_queued = True
             self._callback_ref = weakref.ref(callback)
@@ -130,6 +164,7 @@ class Runtime:
     def _recover_aborted_backward(self) -> None:
         """Undo what a backward that raised left behind; see [Note: hook wiring]."""
         logger.warning("an earlier backward did not finish (it raised?): freeing its gathered parameters")
+        self.reducer.abort()
         for unit in self.units:
             unit.abort_backward()
         self.in_backward = False
@@ -137,8 +172,12 @@ class Runtime:
 
     def _finish_backward(self) -> None:
         try:
+            for unit, shard in self.reducer.drain():
+                unit.flat.accumulate_grad_shard(shard)
             for unit in reversed(self.units):
                 unit.finish_backward()
+            if self.sync_mode is SyncMode.SYNC:
+                self.steps += 1
         finally:
             self.in_backward = False
             self._callback_queued = False

@@ -38,6 +38,9 @@ def shard(
     device: torch.device | str | None = None,
     sync_module_states: bool = False,
     debug: bool | None = None,
+    prefetch: int = 1,
+    overlap_grads: bool = True,
+    replicate_compression: str | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place and return it.
 
@@ -55,7 +58,22 @@ def shard(
     that its group agrees on it, turning ranks that run different forwards/backwards into a
     ``ValueError`` naming what each was doing; it costs one tiny all-gather per collective. See
     :mod:`hybridshard.faults`.
+
+    Speed: ``prefetch`` is how many units are gathered ahead of the one computing, in forward and
+    backward (0 turns it off; see :mod:`hybridshard.prefetch`). ``overlap_grads`` leaves gradient
+    collectives running while backward goes on (see :mod:`hybridshard.overlap`); results are the same
+    either way. ``replicate_compression="bf16"`` or ``"int8"`` quantizes the hybrid units' all-reduce
+    across the replicate group (with error feedback; shard-group traffic stays exact), halving or
+    quartering the inter-node bytes at some gradient precision; see :mod:`hybridshard.compression`.
     """
+    if not isinstance(overlap_grads, bool):
+        raise ValueError(f"overlap_grads must be True or False; got {overlap_grads!r}")
+    compressor = None
+    if replicate_compression is not None:
+        from hybridshard.compression import ReplicateCompressor, parse_compression
+
+        mode = parse_compression(replicate_compression)
+        compressor = ReplicateCompressor(mode) if mode is not None else None
     if debug is not None:
         faults.set_debug(debug)
     if not dist.is_initialized():
@@ -77,7 +95,8 @@ def shard(
     plan = [(spec.name or "<root>", s.name) for spec, s in zip(specs, strategies)]
     _check_same_model(model, values=not sync_module_states, plan=plan)
 
-    runtime = Runtime(model, strategy, mixed_precision, device)
+    runtime = Runtime(model, strategy, mixed_precision, device, prefetch=prefetch, overlap_grads=overlap_grads,
+                      compressor=compressor)
     rank0_index: dict[int, int] = {}
     if sync_module_states:
         for pair in _distinct(pairs[s] for s in strategies):

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from typing import Any, Sequence
 
 import torch
@@ -52,6 +53,7 @@ from torch.utils._pytree import tree_flatten
 from hybridshard import collectives as C
 from hybridshard import faults
 from hybridshard.flat_param import FlatParam
+from hybridshard.prefetch import Pass
 from hybridshard.strategy import ShardingStrategy
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,8 @@ __all__ = ["ShardedState", "SyncMode", "TrainingState", "Unit"]
 
 class ShardedState(enum.Enum):
     SHARDED = "sharded"
+    GATHERING = "gathering"
+    """A prefetch issued the all-gather; ``unshard`` waits for it (see :mod:`hybridshard.prefetch`)."""
     UNSHARDED = "unsharded"
 
 
@@ -117,32 +121,57 @@ class Unit:
         self._master_versions: tuple[int, ...] = ()
         self._pending_full: torch.Tensor | None = None
         self._pending_shard: torch.Tensor | None = None
+        self._gathering: C.Pending | None = None
+        self.prefetched = False
+        """Gathered ahead by the prefetcher and not used yet."""
         if flat.requires_grad:
             flat.unsharded.register_post_accumulate_grad_hook(self._post_backward)
 
     # -- sharded state ---------------------------------------------------------------------------
 
     def unshard(self) -> None:
+        self.prefetched = False
+        if self.sharded_state is ShardedState.GATHERING:
+            pending, self._gathering = self._gathering, None
+            pending.wait()
+            self.sharded_state = ShardedState.UNSHARDED
         if self.sharded_state is ShardedState.UNSHARDED:
             return
         self.flat.alloc_storage()
         self._gather()
         self.sharded_state = ShardedState.UNSHARDED
 
-    def _gather(self) -> None:
+    def prefetch(self) -> bool:
+        """Issue this unit's all-gather without waiting for it; whether one was issued.
+
+        Only a sharded, idle unit is gathered ahead: one already gathered or in backward is left alone.
+        """
+        if self.sharded_state is not ShardedState.SHARDED or self.training_state is not TrainingState.IDLE:
+            return False
+        self.flat.alloc_storage()
+        self._gathering = self._gather(async_op=True)
+        self.sharded_state = ShardedState.GATHERING
+        self.prefetched = True
+        return True
+
+    def _gather(self, async_op: bool = False) -> C.Pending | None:
         """Fill the allocated unsharded buffer from every rank's master shard."""
         self.flat.writeback_params()
-        if self.flat.aliases_master or not self.flat.layout.slots:
-            pass  # nothing to gather: the master is the buffer, or the unit owns no parameter
-        elif self.groups.shard_size > 1:
-            C.all_gather(self.flat.unsharded.data, self.flat.gather_input(), self.groups.shard)
-        else:
-            self.flat.unsharded.data.copy_(self.flat.sharded)
         self._master_versions = self.flat.master_versions()
+        if self.flat.aliases_master or not self.flat.layout.slots:
+            return C.DONE  # nothing to gather: the master is the buffer, or the unit owns no parameter
+        if self.groups.shard_size > 1:
+            return C.all_gather(self.flat.unsharded.data, self.flat.gather_input(), self.groups.shard,
+                                stats=self.runtime.stats, async_op=async_op)
+        self.flat.unsharded.data.copy_(self.flat.sharded)
+        return C.DONE
 
     def reshard(self) -> None:
+        if self.sharded_state is ShardedState.GATHERING:
+            self.unshard()  # the all-gather writes into the buffer: let it finish before freeing
         if self.sharded_state is ShardedState.SHARDED:
             return
+        self.prefetched = False
         self._install_params()
         self.flat.free_storage()
         self.sharded_state = ShardedState.SHARDED
@@ -211,14 +240,17 @@ class Unit:
         faults.where.unit = self.index
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return
+        started = time.perf_counter()
         if self.sharded_state is ShardedState.UNSHARDED:
             self.check_unchanged()
+        self.runtime.prefetcher.before_unit(Pass.BACKWARD, self)
         self.unshard()
         if self._views is None:
             # See [Note: recomputation in backward]: checkpointing inside the unit's forward reads
             # the module attributes again, with no forward hook of ours around it.
             self._install_views()
         self.training_state = TrainingState.PRE_BACKWARD
+        self.runtime.hook_seconds[self.index] += time.perf_counter() - started
 
     def check_unchanged(self) -> None:
         """Raise if a parameter was replaced or changed in place while the unit stayed gathered."""
@@ -271,11 +303,13 @@ class Unit:
         assert self.training_state is not TrainingState.POST_BACKWARD, f"unit {self.name}: second post-backward"
         self.runtime.on_backward_hook()
         faults.where.unit = self.index
+        started = time.perf_counter()
         grad = leaf.grad
         leaf.grad = None
-        self.reduce_grad(grad, self.runtime.sync_mode)
+        self.reduce_grad(grad, self.runtime.sync_mode, overlap=self.runtime.overlap_grads)
         self.reshard()
         self.training_state = TrainingState.POST_BACKWARD
+        self.runtime.hook_seconds[self.index] += time.perf_counter() - started
 
     def finish_backward(self) -> None:
         """End of backward: reduce what no hook reduced, free the buffer, go back to IDLE."""
@@ -293,8 +327,13 @@ class Unit:
 
     # -- gradient reduction ----------------------------------------------------------------------
 
-    def reduce_grad(self, grad: torch.Tensor | None, mode: SyncMode) -> None:
-        """Reduce one backward's unsharded gradient as ``mode`` says; see [Note: hybrid gradient path]."""
+    def reduce_grad(self, grad: torch.Tensor | None, mode: SyncMode, *, overlap: bool = False) -> None:
+        """Reduce one backward's unsharded gradient as ``mode`` says; see [Note: hybrid gradient path].
+
+        With ``overlap`` (SYNC backwards only) the collectives are issued and left running: the
+        runtime's :class:`~hybridshard.overlap.GradReducer` adds the result to ``.grad`` at the end of
+        backward. See [Note: overlapped gradient reduction] in :mod:`hybridshard.overlap`.
+        """
         layout = self.flat.layout
         if grad is None:
             grad = torch.zeros(layout.padded_numel, dtype=self.reduce_dtype, device=self.flat.sharded.device)
@@ -306,19 +345,48 @@ class Unit:
         if mode is SyncMode.LOCAL:
             self._pending_full = grad
             return
-        start, end = layout.shard_range()
+        overlap = overlap and mode is SyncMode.SYNC
+        held, self._pending_shard = self._pending_shard, None
+        hold = mode is SyncMode.SHARD_ONLY
+        stats = self.runtime.stats
+
+        def scale(shard: torch.Tensor) -> torch.Tensor:
+            shard = shard / self.groups.world_size if self.groups.world_size > 1 else shard
+            return shard if held is None else shard + held
+
+        def scale_and_replicate(shard: torch.Tensor) -> torch.Tensor:
+            shard = scale(shard)
+            if not hold:
+                self._replicate(shard)
+            return shard
+
         if self.groups.shard_size > 1:
             shard = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=grad.device)
-            C.reduce_scatter(shard, grad, self.groups.shard)
+            first = C.reduce_scatter(shard, grad, self.groups.shard, stats=stats, async_op=overlap)
         else:
-            shard = grad[start:end]
-        shard = shard / self.groups.world_size if self.groups.world_size > 1 else shard
-        if self._pending_shard is not None:
-            shard = shard + self._pending_shard
-            self._pending_shard = None
-        if mode is SyncMode.SHARD_ONLY:
-            self._pending_shard = shard
+            start, end = layout.shard_range()
+            shard, first = grad[start:end], C.DONE
+        if not overlap:
+            shard = scale_and_replicate(shard)
+            if hold:
+                self._pending_shard = shard
+            else:
+                self.flat.accumulate_grad_shard(shard)
             return
-        if self.groups.replicate_size > 1:
-            C.all_reduce(shard, self.groups.replicate)
-        self.flat.accumulate_grad_shard(shard)
+        if not self.strategy.is_hybrid and self.groups.shard_size == 1 and self.groups.replicate_size > 1:
+            # NO_SHARD: its one collective is on the world group, which the main thread issues.
+            shard = scale(shard)
+            first = C.all_reduce(shard, self.groups.replicate, stats=stats, async_op=True)
+            self.runtime.reducer.submit(self, grad, shard, first, lambda s: s)
+            return
+        self.runtime.reducer.submit(self, grad, shard, first, scale_and_replicate)
+
+    def _replicate(self, shard: torch.Tensor) -> None:
+        """All-reduce a scaled gradient shard across the replicate group (compressed if asked)."""
+        if self.groups.replicate_size == 1:
+            return
+        compressor = self.runtime.compressor
+        if compressor is not None and self.strategy.is_hybrid:
+            compressor.all_reduce(shard, self.groups.replicate, key=self.index, stats=self.runtime.stats)
+        else:
+            C.all_reduce(shard, self.groups.replicate, stats=self.runtime.stats)

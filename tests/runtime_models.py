@@ -93,6 +93,12 @@ class Config:
     """``MixedPrecision(keep_low_precision_grads=True)`` (with ``bf16``): ``.grad`` stays bf16."""
     optimizer: str = "adamw"
     """"adamw", or "sgd" (momentum 0.9), which steps fp32 parameters with bf16 gradients."""
+    prefetch: int = 1
+    """``shard(prefetch=...)``: units gathered ahead (0 = off)."""
+    overlap_grads: bool = True
+    """``shard(overlap_grads=...)``: gradient collectives left running through backward."""
+    compression: str | None = None
+    """``shard(replicate_compression=...)``."""
 
     @property
     def num_blocks(self) -> int:
@@ -238,7 +244,8 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
         mp = hs.MixedPrecision(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, keep_low_precision_grads=cfg.low_precision_grads
         )
-    hs.shard(model, strategy=cfg.strategy, groups=groups(), wrap=wrap_policy(cfg, model), mixed_precision=mp)
+    hs.shard(model, strategy=cfg.strategy, groups=groups(), wrap=wrap_policy(cfg, model), mixed_precision=mp,
+             prefetch=cfg.prefetch, overlap_grads=cfg.overlap_grads, replicate_compression=cfg.compression)
     opt = make_optimizer(cfg, model.parameters())
     losses, norms, counts, clip_counts = [], [], [], []
     grad_dtypes: set[str] = set()

@@ -1,0 +1,287 @@
+"""Prefetch and the overlapped gradient path: the same results with and without them, gathers really
+issued ahead (bounded), reductions really left running through backward, and ``comm_stats`` equal to
+the per-step formulas of docs/performance.md.
+
+4 ranks on 2 simulated nodes, one pool for the module.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from hybridshard.strategy import ShardingStrategy
+from tests import runtime_models as RM
+from tests.mp import RankPool
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD = 4
+STRATEGIES = [s.name for s in ShardingStrategy]
+HYBRID = ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
+SPEED = [(0, False), (0, True), (1, False), (1, True), (2, True)]
+"""(prefetch, overlap_grads); the first is the plain synchronous path every other is compared to."""
+
+CONFIGS = [RM.Config(strategy=s, prefetch=p, overlap_grads=o, steps=4) for s in STRATEGIES for p, o in SPEED]
+CONFIGS += [RM.Config(strategy=s, prefetch=p, overlap_grads=o, steps=3, micro_steps=2, reduce_scatter_micro=rs)
+            for s in HYBRID for rs in (False, True) for p, o in SPEED]
+CONFIGS += [RM.Config(strategy=s, prefetch=p, overlap_grads=o, steps=3, checkpoint=True) for s in HYBRID for p, o in SPEED]
+CONFIGS += [RM.Config(strategy="HYBRID_SHARD", prefetch=p, overlap_grads=o, steps=3, bf16=True) for p, o in SPEED]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(WORLD, num_nodes=2, layout="block", timeout=150) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def sweep(pool):
+    return pool.run(RM.run_configs, CONFIGS)
+
+
+def _baseline(cfg: RM.Config) -> int:
+    from dataclasses import replace
+
+    return CONFIGS.index(replace(cfg, prefetch=0, overlap_grads=False))
+
+
+@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=[
+    f"{c.strategy}-p{c.prefetch}-{'overlap' if c.overlap_grads else 'sync'}"
+    + (f"-micro{c.micro_steps}" + ("rs" if c.reduce_scatter_micro else "") if c.micro_steps > 1 else "")
+    + ("-ckpt" if c.checkpoint else "") + ("-bf16" if c.bf16 else "")
+    for c in CONFIGS
+])
+def test_same_results_with_and_without_prefetch_and_overlap(sweep, index):
+    """Bitwise the synchronous, non-prefetching run's losses and parameters, and the reference's to 1e-5."""
+    cfg = CONFIGS[index]
+    base = _baseline(cfg)
+    ref = RM.reference_run(cfg, WORLD)
+    tol = dict(atol=2e-3, rtol=2e-3) if cfg.bf16 else dict(atol=1e-5, rtol=1e-5)
+    for rank, results in enumerate(sweep):
+        got, plain = results[index], results[base]
+        assert got["losses"] == plain["losses"], (rank, got["losses"], plain["losses"])
+        for key, value in plain["state"].items():
+            assert torch.equal(got["state"][key], value), f"rank {rank}: {key} differs from the synchronous run"
+        assert got["counts"] == plain["counts"], (rank, got["counts"], plain["counts"])
+        RM.compare(ref, got, label=f"rank {rank}", **tol)
+
+
+# -- prefetch really gathers ahead, and no more than asked -----------------------------------------
+
+def _gathered(units, skip) -> set[int]:
+    from hybridshard.unit import ShardedState
+
+    return {u.index for u in units if u.index not in skip and u.sharded_state is not ShardedState.SHARDED}
+
+
+def observe_prefetch(depth: int, strategy: str = "HYBRID_SHARD", num_blocks: int = 4) -> dict:
+    """At each block unit's gather (forward and backward, second step), which other block units are
+    gathered or being gathered."""
+    import hybridshard as hs
+
+    model = RM.make_model(num_blocks=num_blocks)
+    hs.shard(model, strategy=strategy, groups=RM.groups(), wrap={RM.Block}, prefetch=depth)
+    runtime = model._hybridshard_runtime
+    blocks = runtime.units[1:]
+    seen: dict[str, list] = {"forward": [], "backward": []}
+    recording = [False]
+
+    def watch(unit):
+        original = unit.unshard
+
+        def unshard():
+            if recording[0]:
+                phase = "backward" if runtime.in_backward else "forward"
+                seen[phase].append((unit.index, sorted(_gathered(blocks, {unit.index}))))
+            original()
+        unit.unshard = unshard
+
+    for unit in blocks:
+        watch(unit)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        recording[0] = step == 1
+        tokens = RM.batch(step, 0, 0, 2)
+        RM.lm_loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    return seen
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_prefetch_gathers_the_next_units_ahead_within_the_bound(pool, depth):
+    seen = pool.run(observe_prefetch, depth)[0]
+    num_blocks = 4
+    forward = [i for i, _ in seen["forward"]]
+    backward = [i for i, _ in seen["backward"]]
+    assert forward == [1, 2, 3, 4] and backward == [4, 3, 2, 1], seen
+    for index, others in seen["forward"]:
+        ahead = list(range(index + 1, min(index + depth, num_blocks) + 1))
+        assert others == ahead, f"forward, unit {index}, depth {depth}: gathered {others}, expected {ahead}"
+    for index, others in seen["backward"]:
+        ahead = list(range(max(index - depth, 1), index))
+        assert others == ahead, f"backward, unit {index}, depth {depth}: gathered {others}, expected {ahead}"
+
+
+class SkippingLM(RM.TinyLM):
+    """Skips a block on odd steps: the unit order changes from one step to the next."""
+
+    skip: int | None = None
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.pos
+        for i, block in enumerate(self.blocks):
+            if i != self.skip:
+                x = block(x)
+        return self.head(self.norm(x))
+
+
+def run_changing_order(depth: int, overlap: bool) -> dict:
+    import hybridshard as hs
+    from hybridshard.unit import ShardedState
+
+    torch.manual_seed(0)
+    model = SkippingLM(num_blocks=4)
+    hs.shard(model, strategy="HYBRID_SHARD", groups=RM.groups(), wrap={RM.Block}, prefetch=depth, overlap_grads=overlap)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, leftover = [], []
+    for step in range(5):
+        model.skip = 1 if step % 2 else None
+        tokens = RM.batch(step, 0, 0, 2)
+        loss = RM.lm_loss(model(tokens), tokens)
+        loss.backward()
+        leftover.append([u.index for u in model._hybridshard_runtime.units[1:] if u.sharded_state is not ShardedState.SHARDED])
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():  # an evaluation forward after a skipped-block step leaves nothing gathered
+        model.skip = None
+        model(RM.batch(9, 0, 0, 2))
+    leftover.append([u.index for u in model._hybridshard_runtime.units if u.sharded_state is not ShardedState.SHARDED])
+    return {"losses": losses, "state": hs.full_state_dict(model), "leftover": leftover}
+
+
+def test_a_changed_unit_order_costs_nothing_but_time(pool):
+    plain = pool.run(run_changing_order, 0, False)
+    fast = pool.run(run_changing_order, 2, True)
+    for a, b in zip(plain, fast):
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
+        assert b["leftover"] == [[]] * 6, b["leftover"]
+
+
+# -- the gradient path really overlaps backward ----------------------------------------------------
+
+def run_with_slow_replicate(overlap: bool, delay: float) -> dict:
+    """Every replicate-group all-reduce is made ``delay`` seconds slower; record, at each block's
+    post-backward, how many earlier units' reductions were still running."""
+    import hybridshard as hs
+    from hybridshard import collectives as C
+    from hybridshard.overlap import JobState
+
+    real = C.all_reduce
+    threads: set[str] = set()
+
+    def slow(tensor, group, *args, **kwargs):
+        if C.group_name(group) == "replicate":
+            threads.add(threading.current_thread().name)
+            time.sleep(delay)
+        return real(tensor, group, *args, **kwargs)
+
+    C.all_reduce = slow
+    try:
+        model = RM.make_model(num_blocks=4)
+        hs.shard(model, strategy="HYBRID_SHARD", groups=RM.groups(), wrap={RM.Block}, overlap_grads=overlap)
+        runtime = model._hybridshard_runtime
+        in_flight: list[int] = []
+        for unit in runtime.units:
+            original = unit._post_backward
+
+            def post(leaf, original=original):
+                in_flight.append(sum(job.state is JobState.ISSUED for job in runtime.reducer._jobs))
+                original(leaf)
+            unit.flat.unsharded._post_accumulate_grad_hooks.clear()
+            unit.flat.unsharded.register_post_accumulate_grad_hook(post)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(2):
+            tokens = RM.batch(step, 0, 0, 2)
+            loss = RM.lm_loss(model(tokens), tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return {"losses": losses, "state": hs.full_state_dict(model), "in_flight": in_flight, "threads": sorted(threads)}
+    finally:
+        C.all_reduce = real
+
+
+def test_gradient_reductions_run_while_backward_goes_on(pool):
+    sync = pool.run(run_with_slow_replicate, False, 0.05)
+    overlap = pool.run(run_with_slow_replicate, True, 0.05)
+    for a, b in zip(sync, overlap):
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
+        # Synchronous: every reduction finished inside its own hook. Overlapped: later units'
+        # backward ran while earlier all-reduces (each 50 ms slower) were still in flight.
+        assert max(a["in_flight"]) == 0, a["in_flight"]
+        assert max(b["in_flight"]) >= 2, b["in_flight"]
+        assert a["threads"] == ["MainThread"] and b["threads"] == ["hybridshard-comm"], (a["threads"], b["threads"])
+
+
+# -- comm_stats equals the per-step formulas -------------------------------------------------------
+
+def measure_comm_stats(strategy: str, bf16: bool, compression: str | None = None) -> dict:
+    import hybridshard as hs
+
+    model = RM.make_model(num_blocks=3)
+    mp = hs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    hs.shard(model, strategy=strategy, groups=RM.groups(), wrap={RM.Block}, mixed_precision=mp,
+             replicate_compression=compression)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(4):
+        if step == 1:
+            hs.comm_stats(model, reset=True)  # the first step records the order prefetching follows
+        tokens = RM.batch(step, 0, 0, 2)
+        RM.lm_loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    units = model._hybridshard_runtime.units
+    return {"stats": hs.comm_stats(model), "padded": [u.flat.layout.padded_numel for u in units]}
+
+
+def expected_ring_bytes(strategy: str, padded: list[int], b_param: int, b_grad: int) -> dict[str, float]:
+    """Per step and rank, per group: docs/performance.md, "What a step sends"."""
+    s = ShardingStrategy[strategy]
+    root, blocks = padded[0], sum(padded[1:])
+    total = root + blocks
+    gathered = 2 * blocks + root if s.reshard_after_forward else total  # the root stays gathered into backward
+    if s is ShardingStrategy.NO_SHARD:
+        return {"world": 2 * (WORLD - 1) / WORLD * total * b_grad}
+    n = 2 if s.is_hybrid else WORLD
+    out = {"shard" if s.is_hybrid else "world": (n - 1) / n * (gathered * b_param + total * b_grad)}
+    if s.is_hybrid:
+        r = WORLD // n
+        out["replicate"] = 2 * (r - 1) / r * total / n * b_grad
+    return out
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_comm_stats_per_step_equal_the_formulas(pool, strategy, bf16):
+    results = pool.run(measure_comm_stats, strategy, bf16)
+    for rank, got in enumerate(results):
+        stats = got["stats"]
+        assert stats["steps"] == 3
+        expected = expected_ring_bytes(strategy, got["padded"], 2 if bf16 else 4, 4)
+        measured = {group: ops["total"]["ring_bytes"] / 3 for group, ops in stats["groups"].items()}
+        assert set(measured) == set(expected), (measured, expected)
+        for group, value in expected.items():
+            assert math.isclose(measured[group], value, rel_tol=1e-12), (rank, group, measured[group], value)
+        assert set(stats["hook_seconds"]) == {"<root>", "blocks.0", "blocks.1", "blocks.2"}
+        assert all(t > 0 for t in stats["hook_seconds"].values())
