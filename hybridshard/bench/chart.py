@@ -24,8 +24,8 @@ def write_chart(results: dict[str, Any], path: str) -> None:
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
     xs = range(len(names))
     ax_t.bar(xs, medians, yerr=[low, high], capsize=4, color="#4878a8")
-    for x, value in zip(xs, medians):
-        ax_t.text(x, value, f"{value:.0f}", ha="center", va="bottom", fontsize=8)
+    for x, value in zip(xs, medians):  # inside the bar, clear of the whiskers
+        ax_t.text(x, value / 2, f"{value:.0f}", ha="center", va="center", fontsize=9, color="white")
     ax_t.set_xticks(list(xs), names, rotation=20, ha="right", fontsize=8)
     ax_t.set_ylabel("median step time (ms), p10-p90")
     ax_t.set_title("step time")
