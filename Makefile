@@ -25,8 +25,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 
+# hybridshard vs FSDP1/FSDP2/no-communication floor on 2 simulated nodes x 2 ranks (loopback);
+# e.g. make bench BENCH_ARGS="--strategy hybrid_shard_zero2 --inter-node-bandwidth 1gbit" (shaping needs root)
+BENCH_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_scale.py
+	OMP_NUM_THREADS=1 $(BIN)/hybridshard bench --out bench-results $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -17,13 +17,14 @@ _SUBCOMMANDS = (
     "hybridshard.commands.plan",
     "hybridshard.commands.launch",
     "hybridshard.commands.ckpt",
+    "hybridshard.commands.bench",
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybridshard",
-        description="Hybrid sharded training: topology discovery, group planning, launching and checkpoints.",
+        description="Hybrid sharded training: topology discovery, group planning, launching, checkpoints and benchmarks.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -1,0 +1,59 @@
+"""The benchmark's results as a text table (from the JSON document, so any saved run renders again)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["render_text", "group_bytes"]
+
+_MB = 1e6
+
+
+def group_bytes(entry: dict[str, Any], group: str) -> float | None:
+    """Ring-model bytes one rank sends over ``group`` per step; ``None`` when nothing was counted there."""
+    kinds = entry["bytes_per_step"].get(group)
+    return None if kinds is None else float(kinds["total"]["ring_bytes"])
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    width = int(fmt.split(".")[0])
+    return "-".rjust(width) if value is None else format(value, fmt)
+
+
+def render_text(results: dict[str, Any]) -> str:
+    m, sch = results["model"], results["schedule"]
+    timed = sch["rounds"] * sch["steps_per_round"]
+    lines = [
+        f"hybridshard bench: {results['strategy']}, {results['world_size']} ranks = {results['replicate_size']} "
+        f"replicas x shard groups of {results['shard_size']}, {results['link']}, {results['device']}/"
+        f"{results['backend']}, torch {results['torch']}, {results['threads_per_rank']} thread(s) per rank",
+        f"model: GPT d_model {m['d_model']}, {m['layers']} blocks, {m['heads']} heads, seq {m['seq']}, global batch "
+        f"{m['global_batch']}, {m['params']:,} parameters, {m['dtype']}, {m['optimizer']}",
+        f"schedule: {sch['warmup']} warm-up steps, then {sch['rounds']} rounds x {sch['steps_per_round']} steps per "
+        f"system ({timed} timed steps each), order {sch['order']}",
+        "",
+    ]
+    header = (f"{'system':<28} {'median ms':>9} {'p10':>7} {'p90':>7} {'/fsdp1':>7} {'/fsdp2':>7} {'/floor':>7} "
+              f"{'loss diff':>9} {'shard MB':>9} {'repl MB':>8} {'peak MB':>8}")
+    lines += [header, "-" * len(header)]
+    for name, e in results["systems"].items():
+        r = e["ratio"]
+        shard, repl = group_bytes(e, "shard"), group_bytes(e, "replicate")
+        lines.append(
+            f"{name:<28} {e['median_ms']:9.1f} {e['p10_ms']:7.1f} {e['p90_ms']:7.1f} "
+            f"{_cell(r.get('fsdp1'), '7.2f')} {_cell(r.get('fsdp2'), '7.2f')} {_cell(r.get('floor'), '7.2f')} "
+            f"{_cell(e['loss_max_abs_diff'], '9.1e')} {_cell(shard and shard / _MB, '9.2f')} "
+            f"{_cell(repl and repl / _MB, '8.2f')} {e['peak_bytes'] / _MB:8.1f}"
+        )
+    rss = max(results["max_rss_bytes_by_rank"]) / _MB
+    lines += [
+        "",
+        "/fsdp1 /fsdp2 /floor: median step time over that system's (< 1: faster).",
+        f"loss diff: max |loss - {results['reference']}'s| over the first {sch['warmup'] + sch['steps_per_round']} "
+        "steps (the floor: first step only; it does not average gradients).",
+        "shard MB, repl MB: ring-model MB one rank sends per step in each group (hybridshard: its own counters; "
+        "FSDP: its torch.distributed calls, wrapped).",
+        f"peak MB: model state + the step's peak allocations, max over ranks; process max RSS {rss:.0f} MB "
+        "(all systems together).",
+    ]
+    return "\n".join(lines)

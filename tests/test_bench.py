@@ -1,0 +1,129 @@
+"""`hybridshard bench`: the real command end to end on loopback, and its parts without processes."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hybridshard.bench import stats
+from hybridshard.bench.config import BenchConfig, Contestant, System, contestants, parse_variant, shard_options
+from hybridshard.bench.progress import TAG, Progress, ProgressSink
+from hybridshard.bench.report import render_text
+from hybridshard.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq", "16", "--batch", "4",
+        "--warmup", "1", "--rounds", "2", "--steps", "1"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_bench_end_to_end_on_loopback(tmp_path):
+    """2 agents as 2 nodes x 2 ranks, every system, a tiny model: JSON on stdout and on disk, and a PNG."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env["PYTHONPATH"] = os.pathsep.join([REPO, *filter(None, [env.get("PYTHONPATH")])])
+    out = tmp_path / "results"
+    done = subprocess.run([sys.executable, "-m", "hybridshard", "bench", *TINY, "--out", str(out), "--json"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(done.stdout)
+    assert json.loads((out / "bench.json").read_text()) == results
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert TAG not in done.stderr and "12/12" in done.stderr  # progress lines became the bar
+    assert results["world_size"] == 4 and results["shard_size"] == 2 and results["replicate_size"] == 2
+    assert results["shard_groups"] == [[0, 1], [2, 3]] and results["link"].startswith("loopback")
+    systems = results["systems"]
+    assert list(systems) == ["hybridshard", "fsdp1", "fsdp2", "floor"]
+    medians = {n: e["median_ms"] for n, e in systems.items()}
+    for name, e in systems.items():
+        assert 0 < e["p10_ms"] <= e["median_ms"] <= e["p90_ms"] and len(e["times_ms"]) == 2
+        assert set(e["ratio"]) == {"fsdp1", "fsdp2", "floor"}
+        for base, ratio in e["ratio"].items():
+            assert ratio == pytest.approx(medians[name] / medians[base])
+        assert e["loss_max_abs_diff"] is not None and e["loss_max_abs_diff"] < 1e-5, (name, e["losses"])
+        assert e["peak_bytes"] >= e["state_bytes"] > 0
+        if name != "floor":
+            for group in ("shard", "replicate"):
+                assert e["bytes_per_step"][group]["total"]["ring_bytes"] > 0, (name, group)
+    assert systems["floor"]["bytes_per_step"] == {} and systems["floor"]["loss_compared_steps"] == 1
+    assert systems["fsdp1"]["loss_compared_steps"] == 2  # warm-up + the first round
+    assert results["reference"] == "hybridshard"
+    text = render_text(results)
+    assert "hybridshard" in text and "fsdp2" in text and "loss diff" in text
+
+
+def test_cli_errors_before_any_rank_starts(capsys, monkeypatch):
+    cases = (
+        (["--variants", "hybridshard:no_such_option=1"], "does not accept ['no_such_option']"),
+        (["--variants", "fsdp1"], "must start with 'hybridshard'"),
+        (["--systems", "hybridshard,ddp"], "unknown system 'ddp'"),
+        (["--batch", "6"], "--batch 6 must divide by the number of ranks 4"),
+        (["--steps", "0"], "steps must be >= 1"),
+        (["--d-model", "30", "--heads", "4"], "--d-model 30 must divide by --heads 4"),
+        (["--systems", "fsdp1,fsdp1"], "same contestant twice"),
+        (["--inter-node-bandwidth", "fast"], "is not a tc rate"),
+    )
+    for argv, fragment in cases:
+        assert main(["bench", *argv]) == 2, argv
+        assert fragment in capsys.readouterr().err, argv
+    monkeypatch.setattr("hybridshard.bench.job.check_rights", lambda: "`ip netns add` failed: Operation not permitted")
+    assert main(["bench", "--inter-node-bandwidth", "1gbit"]) == 2
+    err = capsys.readouterr().err
+    assert "needs the rights to create network namespaces (root" in err and "Operation not permitted" in err
+
+
+def test_variants_pass_shard_options_and_reject_unknown_ones():
+    v = parse_variant("hybridshard:prefetch=0,overlap_grads=false,replicate_compression=none,x=int8",
+                      accepted=lambda: ["prefetch", "overlap_grads", "replicate_compression", "x"])
+    assert v.options == (("prefetch", 0), ("overlap_grads", False), ("replicate_compression", None), ("x", "int8"))
+    assert v.name == "hybridshard:prefetch=0,overlap_grads=false,replicate_compression=none,x=int8"
+    with pytest.raises(ValueError, match=r"does not accept \['prefetch'\].*accepts \['debug'\]"):
+        parse_variant("hybridshard:prefetch=0", accepted=lambda: ["debug"])
+    with pytest.raises(ValueError, match="expected key=value pairs"):
+        parse_variant("hybridshard:prefetch", accepted=lambda: ["prefetch"])
+    assert "debug" in shard_options() and "groups" not in shard_options()  # the bench fixes groups/strategy/wrap
+    from hybridshard.commands.bench import _variants
+
+    assert _variants("hybridshard,hybridshard:a=1,b=2,hybridshard:c=3") == ["hybridshard", "hybridshard:a=1,b=2",
+                                                                            "hybridshard:c=3"]
+    both = contestants([System.FLOOR, System.HYBRIDSHARD], [Contestant(System.HYBRIDSHARD), v])
+    assert [c.name for c in both] == ["floor", "hybridshard", v.name]
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        BenchConfig(strategy="FULL_SHARD")
+
+
+def test_stats():
+    assert stats.quantile([3.0, 1.0, 2.0, 4.0], 0.5) == pytest.approx(2.5)
+    assert stats.quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.1) == pytest.approx(1.4)
+    t = stats.summarize([10.0, 30.0, 20.0])
+    assert (t.median_ms, t.num_steps) == (20.0, 3)
+    assert stats.ratios({"hybridshard": 90.0, "fsdp1": 100.0, "floor": 45.0}, "hybridshard") == {
+        "fsdp1": pytest.approx(0.9), "floor": pytest.approx(2.0)}
+    agreement = stats.loss_agreement({"a": [1.0, 2.0, 3.0], "b": [1.0, 2.5, 9.0], "floor": [1.1, 7.0]},
+                                     reference="a", num_steps=2, first_step_only=["floor"])
+    assert agreement == {"a": 0.0, "b": pytest.approx(0.5), "floor": pytest.approx(0.1)}
+    assert stats.loss_agreement({"b": [1.0]}, reference="a", num_steps=1) == {"b": None}
+    with pytest.raises(ValueError, match="no values"):
+        stats.quantile([], 0.5)
+
+
+def test_progress_lines_become_one_bar():
+    worker_side = io.StringIO()
+    p = Progress(2, enabled=True, machine=True, stream=worker_side)
+    p.advance("warm-up fsdp1")
+    p.advance("round 1/1 fsdp1")
+    lines = worker_side.getvalue().splitlines()
+    assert lines == [f"{TAG} 1 2 warm-up fsdp1", f"{TAG} 2 2 round 1/1 fsdp1"]
+    shown = io.StringIO()
+    sink = ProgressSink(shown)
+    sink.write(f"[node0] {lines[0]}\n[node1] a warning\n[node0] {lines[1][:10]}")
+    sink.write(lines[1][10:] + "\n")
+    sink.close()
+    out = shown.getvalue()
+    assert TAG not in out and "[node1] a warning" in out
+    assert "1/2 warm-up fsdp1" in out and "2/2 round 1/1 fsdp1" in out
