@@ -79,7 +79,10 @@ def _parse_value(text: str) -> Any:
 
 
 def parse_variant(text: str, accepted: Callable[[], Sequence[str]] | None = None) -> Contestant:
-    """``hybridshard[:key=value[,key=value...]]`` -> a :class:`Contestant`; see [Note: bench variants]."""
+    """``hybridshard[:key=value[:key=value...]]`` -> a :class:`Contestant`; see [Note: bench variants].
+
+    Options are separated by ``:`` (commas separate the variants on the command line); ``,`` works
+    too when the text is one variant."""
     head, _, rest = text.strip().partition(":")
     if head.strip().lower() != System.HYBRIDSHARD.value:
         raise ValueError(
@@ -87,7 +90,7 @@ def parse_variant(text: str, accepted: Callable[[], Sequence[str]] | None = None
             "are chosen with --systems"
         )
     options: list[tuple[str, Any]] = []
-    for item in filter(None, (part.strip() for part in rest.split(","))):
+    for item in filter(None, (part.strip() for part in rest.replace(",", ":").split(":"))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip().isidentifier():
             raise ValueError(f"variant {text!r}: expected key=value pairs after ':', found {item!r}")

@@ -44,7 +44,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--systems", default=",".join(s.value for s in DEFAULT_SYSTEMS),
                    help="comma-separated, from hybridshard, fsdp1, fsdp2, floor (default: all four)")
     p.add_argument("--variants", default="hybridshard",
-                   help="the hybridshard contestants, comma-separated, each hybridshard[:key=value,...] with "
+                   help="the hybridshard contestants, comma-separated, each hybridshard[:key=value:...] with "
                         "hybridshard.shard() options, e.g. hybridshard,hybridshard:prefetch=0 (default: hybridshard)")
     p.add_argument("--steps", type=int, default=3, help="timed steps of each system per round (default 3)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each system first (default 2)")
