@@ -15,8 +15,15 @@ With ``--checkpoint-dir`` the job saves a sharded checkpoint (``hs.save_checkpoi
 ``--save-every`` steps as ``step_<N>`` and keeps the last ``--keep``; with ``--resume`` it first
 loads the latest complete one (any topology or strategy may have written it) and continues at its
 step, on the same data, so the losses continue as if nothing happened. Under ``--max-restarts``
-torchrun restarts every rank when one dies; each restart resumes this way. ``--kill-rank R
+torchrun restarts every rank of every node when one dies; each restart resumes this way, because
+``--resume`` means "the latest checkpoint, if there is one" on every rank alike. ``--kill-rank R
 --kill-at-step S`` makes rank R kill itself (SIGKILL) at step S of the first attempt, to see that.
+
+[Note: restart count]
+``TORCHELASTIC_RESTART_COUNT`` counts the restarts of *this rank's agent*: the agent whose worker
+died counts one, an agent that restarts because another node re-joined the rendezvous does not. So
+it decides only the kill (the killed rank's agent always counts its restart), never whether to
+resume; the JSON output records every rank's count.
 """
 
 from __future__ import annotations
@@ -94,7 +101,7 @@ def train(args: argparse.Namespace) -> dict:
         start = hs.load_checkpoint(latest, model, optimizer=opt)["step"]
         if rank == 0:
             print(f"resumed from {latest}: continuing at step {start}", flush=True)
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # see [Note: restart count]
     per_rank = args.batch_size // world
     losses = []
     for step in range(start, args.steps):
@@ -124,8 +131,14 @@ def train(args: argparse.Namespace) -> dict:
         if args.checkpoint_dir and args.save_every and (step + 1) % args.save_every == 0:
             _save(args, model, opt, step + 1, rank)
     state = hs.full_state_dict(model, rank0_only=True) if distributed else model.state_dict()
-    result = {"world_size": world, "steps": args.steps, "start_step": start, "losses": losses}
+    restart_counts = [attempt] * world
+    if distributed:
+        dist.all_gather_object(restart_counts, attempt)
+    result = {"world_size": world, "steps": args.steps, "start_step": start, "losses": losses,
+              "restart_counts": restart_counts}
     if rank == 0:
+        if any(restart_counts):
+            print(f"restarts of each rank's agent: {restart_counts}", flush=True)
         result["checksum"] = checksum(state)
         if args.json_out:
             with open(args.json_out, "w") as f:

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hybridshard import optim_state as O
 from hybridshard.checkpoint_plan import Piece, PieceLoadPlanner, PieceSavePlanner, replica_part
+from hybridshard.checkpoint_progress import ProgressWriter
 from hybridshard.runtime import get_runtime
 from hybridshard.state_dict import _check_idle, is_sharded
 
@@ -179,7 +180,8 @@ def save_checkpoint(
     if sharded:
         dist.barrier()
     planner = PieceSavePlanner(pieces)
-    writer = dcp.FileSystemWriter(partial, single_file_per_rank=True, sync_files=True, overwrite=False)
+    writer = ProgressWriter(partial, label=final, rank=rank, single_file_per_rank=True, sync_files=True,
+                            overwrite=False)
     logger.info("save %s: rank %d writing %d sharded keys and %d whole entries", final, rank, len(pieces), len(plain))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -187,9 +189,7 @@ def save_checkpoint(
             dcp.save(plain, storage_writer=writer, planner=planner, no_dist=not sharded)
         except CheckpointException as exc:
             raise _unwrap(exc, f"save_checkpoint({final})") from None
-    written = sum(
-        os.path.getsize(os.path.join(partial, f)) for f in os.listdir(partial) if f.startswith(f"__{rank}_")
-    )
+    written = writer.bytes_written
     seconds = time.perf_counter() - t0
     logger.info("save %s: rank %d wrote %d bytes in %.2f s", final, rank, written, seconds)
     per_rank = [written]

@@ -9,7 +9,9 @@ failed writes ``hybridshard/fault/<rank>`` into the job's store (the c10d store 
 shares) and waits up to :data:`REPORT_SECONDS` for the other members of the group to do the same.
 Members that never write are the lost ones; a rank that raised one of the runtime's own errors
 wrote its message there before raising (:func:`announce`), so its peers repeat it. All of this runs
-on the failure path only: a healthy collective costs nothing extra.
+on the failure path only: a healthy collective costs nothing extra. When workers can restart, the
+store lives in rank 0's process (see [Note: restarts] in hybridshard/launcher/settings.py); if rank 0
+is the lost one, nothing can be read and the error says so instead of naming every rank.
 
 [Note: debug agreement check]
 Ranks that run a different number of forwards or backwards in a step, or a different ``no_sync``
@@ -69,11 +71,12 @@ def announce(message: str) -> None:
         logger.debug("could not publish the error to the store", exc_info=True)
 
 
-def _peer_reports(ranks: list[int]) -> dict[int, str]:
-    """Report this rank as a survivor, then collect what the group's members wrote (see the Note)."""
+def _peer_reports(ranks: list[int]) -> dict[int, str] | None:
+    """Report this rank as a survivor, then collect what the group's members wrote (see the Note);
+    ``None`` when the store cannot be reached."""
     store = _store()
     if store is None:
-        return {}
+        return None
     me = dist.get_rank()
     keys = {r: f"{_KEY}{r}" for r in ranks}
     try:
@@ -85,7 +88,7 @@ def _peer_reports(ranks: list[int]) -> dict[int, str]:
         return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
     except Exception:  # noqa: BLE001 - a lost store leaves the names out, not the error
         logger.debug("could not read peer reports from the store", exc_info=True)
-        return {}
+        return None
 
 
 def collective_failed(kind: str, group_label: str, group: dist.ProcessGroup | None, err: BaseException) -> RuntimeError:
@@ -94,13 +97,19 @@ def collective_failed(kind: str, group_label: str, group: dist.ProcessGroup | No
     # The whole job reports, not only the group: the rank that died first may be in another group
     # (its death cascades, each failed rank leaving in turn).
     reports = _peer_reports(list(range(dist.get_world_size())))
-    lost = [r for r in range(dist.get_world_size()) if r not in reports]
+    unreachable = reports is None
+    reports = reports or {}
+    lost = [] if unreachable else [r for r in range(dist.get_world_size()) if r not in reports]
     raised = {r: m for r, m in reports.items() if m != _SURVIVOR and r != dist.get_rank()}
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     parts = [f"{kind} on the {group_label} group (ranks {ranks}) failed on rank {dist.get_rank()}: {first_line}."]
     if raised:
         parts.append(" " + "; ".join(f"rank {r} raised: {m}" for r, m in sorted(raised.items())) + ".")
-    if lost:
+    if unreachable:
+        where_ = ("rank 0's process, so rank 0 is probably the lost one"
+                  if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False" else "the rendezvous host")
+        parts.append(f" The job's store could not be reached to learn which rank was lost; it lives in {where_}.")
+    elif lost:
         parts.append(
             f" Rank{'s' if len(lost) > 1 else ''} {lost} did not report within {REPORT_SECONDS:.0f}s: lost (killed or "
             "crashed), or still blocked in a collective with a lost rank; read their logs."

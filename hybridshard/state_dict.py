@@ -39,6 +39,10 @@ def _check_idle(model: nn.Module, what: str) -> None:
             )
 
 
+def _copy(value: torch.Tensor, to_cpu: bool) -> torch.Tensor:
+    return value.to("cpu", copy=True) if to_cpu else value.clone()
+
+
 def full_state_dict(model: nn.Module, *, to_cpu: bool = True, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter gathered to full shape (master dtype) and every buffer.
 
@@ -68,9 +72,10 @@ def full_state_dict(model: nn.Module, *, to_cpu: bool = True, rank0_only: bool =
             gathered = flat.sharded
         if keep:
             for i, slot in enumerate(layout.slots):
-                value = gathered[slot.offset : slot.end].view(slot.shape)
-                full[(u, i)] = value.to("cpu", copy=True) if to_cpu else value.clone()
-        del gathered  # freed before the next unit is gathered
+                full[(u, i)] = _copy(gathered[slot.offset : slot.end].view(slot.shape), to_cpu)
+        # Freed before the next unit is gathered: no view of it may outlive this line (a loop variable
+        # holding the last slot kept it alive through the next gather, two units at once).
+        del gathered
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}

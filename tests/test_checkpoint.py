@@ -9,7 +9,9 @@ the parameters and optimizer state the first run saved, and take the same next s
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 
 import pytest
 import torch
@@ -18,7 +20,9 @@ import torch.distributed.checkpoint as dcp
 
 import hybridshard as hs
 from hybridshard import checkpoint as CK
+from hybridshard.runtime import get_runtime
 from tests import runtime_models as RM
+from tests.live_bytes import LiveTensorBytes
 from tests.mp import RankPool
 
 pytestmark = pytest.mark.multiprocess
@@ -177,6 +181,28 @@ def test_replicas_split_the_writing(pool, tmp_path, capsys):
     assert "no complete checkpoint" in capsys.readouterr().err
 
 
+def full_state_memory(strategy: str) -> dict:
+    """Bytes ``full_state_dict(rank0_only=True, to_cpu=True)`` allocates and holds on this rank."""
+    model, _ = _sharded(strategy, seed=0)
+    units = get_runtime(model).units
+    with LiveTensorBytes() as live:
+        state = hs.full_state_dict(model, rank0_only=True, to_cpu=True)
+    outputs = live.storages_of(state.values())
+    return {"extra": live.peak(exclude=outputs), "outputs": sum(live.sizes[i] for i in outputs),
+            "unit": max(u.flat.layout.padded_numel * u.flat.sharded.element_size() for u in units),
+            "model": sum(t.untyped_storage().nbytes()
+                         for t in {t.data_ptr(): t for t in RM.make_model(0).state_dict().values()}.values())}
+
+
+def test_full_state_dict_holds_one_unit_above_the_shard(pool):
+    """Counted as in [Note: counting live tensor bytes] in tests/live_bytes.py: apart from what it
+    returns, full_state_dict holds one gathered unit at a time, on every rank that gathers."""
+    results = pool.run(full_state_memory, "HYBRID_SHARD")
+    largest = results[0]["unit"]
+    assert [r["extra"] for r in results] == [largest, largest, 0, 0], (largest, results)  # shard groups (0,1), (2,3)
+    assert results[0]["outputs"] == results[0]["model"] and all(r["outputs"] == 0 for r in results[1:])  # tied: once
+
+
 def corrupt_and_check(strategy: str, corrupt_rank: int | None) -> str:
     model, _ = _sharded(strategy, seed=1)
     if dist.get_rank() == corrupt_rank:
@@ -311,3 +337,19 @@ def test_flat_ranges_as_boxes_and_incomplete_checkpoints(tmp_path):
     half = torch.empty(8)
     dcp.load({}, checkpoint_id=path, planner=PieceLoadPlanner({"w": [Piece((4, 4), 0, half)]}), no_dist=True)
     assert half.tolist() == list(range(8))
+
+
+def test_save_logs_each_rank_progress_and_the_bytes_it_wrote(tmp_path, caplog, monkeypatch):
+    """See [Note: save progress] in hybridshard/checkpoint_progress.py (one plain process here)."""
+    from hybridshard import checkpoint_progress as CP
+
+    monkeypatch.setattr(CP, "PROGRESS_INTERVAL_S", 0.0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])  # 8 x 16.25 KiB of tensors
+    with caplog.at_level(logging.INFO, logger=CP.__name__):
+        saved = hs.save_checkpoint(tmp_path / "c", model)
+    lines = [r.getMessage() for r in caplog.records if r.name == CP.__name__]
+    percents = [int(p) for line in lines for p in re.findall(r"rank 0 wrote .* of 130.0 KiB \((\d+)%\)", line)]
+    assert len(percents) >= 6 and percents == sorted(percents) and 80 <= percents[-1] < 100, lines
+    size = os.path.getsize(tmp_path / "c" / "__0_0.distcp")
+    assert saved.bytes_per_rank == (size,)  # the count is what reached the file
+    assert f"rank 0 finished __0_0.distcp: {size / 1024:.1f} KiB ({size / 1024:.1f} KiB in all)" in lines[-1], lines

@@ -85,3 +85,21 @@ def test_extra_forward_on_one_rank_without_debug_ends_by_the_timeout():
         assert r["type"] == "RuntimeError" and " group (ranks [" in r["message"], r["message"]
         assert "Every rank reported back" in r["message"], r["message"]
         assert r["seconds"] < DEADLINE, r
+
+
+def test_unreachable_store_is_said_instead_of_naming_every_rank(monkeypatch):
+    # Under a restartable launch the store lives in rank 0's process (see [Note: restarts] in
+    # hybridshard/launcher/settings.py); when rank 0 dies, its peers cannot read each other's reports.
+    from hybridshard import faults
+
+    class GoneStore:
+        def check(self, keys):
+            raise RuntimeError("Connection reset by peer")
+
+    monkeypatch.setattr(faults, "_store", GoneStore)
+    monkeypatch.setattr(faults.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(faults.dist, "get_rank", lambda group=None: 2)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    message = str(faults.collective_failed("all_reduce", "replicate", None, RuntimeError("closed by peer")))
+    assert "did not report" not in message and "Every rank reported" not in message, message
+    assert "could not be reached" in message and "rank 0 is probably the lost one" in message, message

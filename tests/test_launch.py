@@ -12,7 +12,7 @@ from hybridshard.commands import launch as launch_cmd
 from hybridshard.launcher import bind
 from hybridshard.launcher.command import EntryMode, make_entry
 from hybridshard.launcher.numa import compute_binding, format_cpulist, parse_cpulist
-from hybridshard.launcher.settings import LaunchOptions, Source, resolve_settings, slurm_port
+from hybridshard.launcher.settings import FRESH_STORE_ENV, LaunchOptions, Source, resolve_settings, slurm_port
 from hybridshard.topology.nvml import FakeNvml
 from hybridshard.topology.probe import probe_node, probe_rank
 from hybridshard.topology.records import NumaNode
@@ -33,10 +33,10 @@ def four_gpus():
 # -- argument splitting -------------------------------------------------------------------------
 
 def test_split_ours_torchrun_and_program():
-    s = launch_cmd.split_argv(["--nnodes", "2", "--max-restarts", "3", "--nproc_per_node=4", "--dry-run",
-                               "--monitor-interval=1", "train.py", "--lr", "1", "--nnodes", "9"])
-    assert s.ours == ("--nnodes", "2", "--nproc-per-node=4", "--dry-run")
-    assert s.passthrough == ("--max-restarts", "3", "--monitor-interval=1")
+    s = launch_cmd.split_argv(["--nnodes", "2", "--max_restarts", "3", "--nproc_per_node=4", "--dry-run",
+                               "--monitor-interval=1", "--redirects", "3", "train.py", "--lr", "1", "--nnodes", "9"])
+    assert s.ours == ("--nnodes", "2", "--max-restarts", "3", "--nproc-per-node=4", "--dry-run")
+    assert s.passthrough == ("--monitor-interval=1", "--redirects", "3")
     assert s.entry == ("train.py", "--lr", "1", "--nnodes", "9")  # the program's own options stay its own
 
 
@@ -104,8 +104,28 @@ def test_c10d_backend_leaves_node_rank_to_the_rendezvous():
     assert not s.node_rank_fixed
 
 
+def test_restarts_use_c10d_and_a_new_store_per_attempt():
+    # See [Note: restarts] in hybridshard/launcher/settings.py.
+    s = resolve_settings(LaunchOptions(nnodes="2", node_rank=1, master_addr="h", master_port=7, max_restarts=2), {},
+                         count_gpus=lambda: 0)
+    assert s.rdzv_backend == "c10d" and s.source_of("rdzv_backend") is Source.RESTARTS and s.restartable
+    assert s.torchrun_args() == ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                                 "--rdzv-endpoint", "h:7", "--rdzv-id", "hybridshard", "--max-restarts", "2"]
+    assert s.worker_env() == [FRESH_STORE_ENV]
+    s = resolve_settings(LaunchOptions(nproc_per_node="2", max_restarts=1), {}, count_gpus=lambda: 0)
+    assert (s.rdzv_backend, s.rdzv_port, s.worker_env()) == ("c10d", 0, [FRESH_STORE_ENV])  # one node too
+    s = resolve_settings(LaunchOptions(nnodes="1:3", rdzv_backend="c10d", rdzv_endpoint="h"), {}, count_gpus=lambda: 0)
+    assert s.worker_env() == [FRESH_STORE_ENV]  # membership changes restart the workers as well
+    s = resolve_settings(LaunchOptions(nnodes="2", node_rank=0, master_addr="h", max_restarts=0), {},
+                         count_gpus=lambda: 0)
+    assert (s.rdzv_backend, s.restartable, s.worker_env()) == ("static", False, [])
+    assert s.torchrun_args()[-2:] == ["--max-restarts", "0"]
+
+
 @pytest.mark.parametrize("options, fragment", [
     (LaunchOptions(nnodes="2"), "needs a rendezvous host"),
+    (LaunchOptions(max_restarts=1, rdzv_backend="static"), "needs the c10d rendezvous, found --rdzv-backend static"),
+    (LaunchOptions(max_restarts=-1), "0 or more, found -1"),
     (LaunchOptions(nnodes="2", node_rank=2, rdzv_endpoint="h"), "outside 0..1"),
     (LaunchOptions(nnodes="1:3", rdzv_endpoint="h"), "elastic"),
     (LaunchOptions(nnodes="zero"), "N or MIN:MAX"),
@@ -168,6 +188,15 @@ def test_dry_run_with_numa_binding(capsys, monkeypatch):
     assert last.startswith(f"env 'HYBRIDSHARD_CPU_BINDING={binding}' ")
     assert "-m hybridshard.launcher.bind script t.py" in last
     assert "local rank 4: GPU 4 -> CPUs 56-111" in out
+
+
+def test_dry_run_with_restarts(capsys, monkeypatch):
+    rc, out, err = run_launch(["--dry-run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "head",
+                               "--max-restarts", "3", "t.py"], {}, no_gpus, capsys, monkeypatch)
+    assert rc == 0
+    assert out.strip().splitlines()[-1].startswith("env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 ")
+    assert "--rdzv-backend c10d --rdzv-endpoint head:29500 --rdzv-id hybridshard --max-restarts 3 t.py" in out
+    assert "rdzv_backend=max-restarts" in out and "# restarts: up to 3 per node" in out
 
 
 def test_launch_errors_exit_2(capsys, monkeypatch):

@@ -23,7 +23,7 @@ from hybridshard.launcher.settings import LaunchOptions, resolve_settings
 logger = logging.getLogger(__name__)
 
 _VALUE_OPTIONS = ("--nnodes", "--node-rank", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint",
-                  "--rdzv-id", "--master-addr", "--master-port")
+                  "--rdzv-id", "--master-addr", "--master-port", "--max-restarts")
 _FLAG_OPTIONS = ("--bind-numa", "--dry-run", "-h", "--help")
 _ENTRY_FLAGS = {"-m": "module", "--module": "module", "--no-python": "no_python", "--no_python": "no_python"}
 _REJECTED = {"--standalone": "give no rendezvous options for a one-node job (a free local port is used)"}
@@ -42,6 +42,9 @@ def _our_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-id", help="job id for the c10d rendezvous (default: SLURM_JOB_ID)")
     p.add_argument("--master-addr", help="same as the host of --rdzv-endpoint")
     p.add_argument("--master-port", type=int, help="same as the port of --rdzv-endpoint")
+    p.add_argument("--max-restarts", type=int,
+                   help="restart every worker of every node up to N times when one fails (torchrun's; "
+                        "uses the c10d rendezvous and a new store per attempt, see docs/checkpointing.md)")
     p.add_argument("--bind-numa", action="store_true", help="pin each local rank to the CPUs of its GPU's NUMA node")
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
     return p
@@ -141,7 +144,7 @@ def prepare(argv: Sequence[str], env=None, *, probe: Callable | None = None) -> 
     options = LaunchOptions(
         nnodes=opts.nnodes, node_rank=opts.node_rank, nproc_per_node=opts.nproc_per_node,
         rdzv_backend=opts.rdzv_backend, rdzv_endpoint=opts.rdzv_endpoint, rdzv_id=opts.rdzv_id,
-        master_addr=opts.master_addr, master_port=opts.master_port,
+        master_addr=opts.master_addr, master_port=opts.master_port, max_restarts=opts.max_restarts,
     )
     settings = resolve_settings(options, env, count_gpus=lambda: len(node_and_gpus()[1]))
     binding = None

@@ -117,6 +117,9 @@ class LaunchCommand:
         ]
         if s.slurm_job_id is not None:
             lines.append(f"# SLURM job {s.slurm_job_id}")
+        if s.restartable:
+            lines.append(f"# restarts: up to {s.max_restarts or 0} per node, every node's workers together; "
+                         "a new store for each attempt")
         if self.binding is not None:
             lines += [f"# {line}" for line in self.binding.describe()]
         set_names = {k for k, _ in self.env}
@@ -142,7 +145,7 @@ def build_command(
 ) -> LaunchCommand:
     """The torchrun argv for ``entry`` under ``settings``; ``passthrough`` goes to torchrun unchanged."""
     argv = [python, "-m", "torch.distributed.run", *settings.torchrun_args(), *passthrough]
-    env: list[tuple[str, str]] = []
+    env: list[tuple[str, str]] = settings.worker_env()
     if binding is not None:
         if settings.nproc_int is None:
             raise ValueError(

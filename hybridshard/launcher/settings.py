@@ -9,6 +9,29 @@ therefore exactly ``--node-rank`` or ``SLURM_NODEID``. With ``--rdzv-backend c10
 address), so ``--node-rank`` is not passed; planning does not care either way, because groups are
 built from the nodes ranks *report*, not from rank arithmetic.
 A one-node job with no rendezvous given uses a c10d store on a free local port, as plain torchrun does.
+
+[Note: restarts]
+``--max-restarts N`` (and an elastic ``--nnodes MIN:MAX``, whose membership changes restart every
+worker too) needs two things from the rendezvous that the defaults do not give:
+
+* Every agent must restart its workers, not only the agent whose worker died. With the static
+  rendezvous nothing tells the other agents; their workers fail on their next collective and the two
+  agents restart at unrelated times, each on its own count. With ``c10d``, the agent that restarts
+  joins a new rendezvous round and the others see it waiting and restart theirs as well (without
+  counting that as one of their own restarts, so ``TORCHELASTIC_RESTART_COUNT`` is a per-agent number
+  and must not be used to decide anything job-wide, such as whether to resume). So a job with
+  restarts uses ``c10d``, and asking for ``static`` with restarts is an error.
+* The restarted workers must not read the previous attempt's keys. Under torchrun, ``env://``
+  connects every worker to the agent's TCP store (``TORCHELASTIC_USE_AGENT_STORE``), and this torch
+  neither gives each attempt a key prefix nor a new store: both the static rendezvous and ``c10d``
+  (which shares one store server across rounds) hand the next attempt the same store with the same
+  keys. gloo's full-mesh connect then finds the old attempt's addresses under this attempt's keys
+  and connects to processes that are gone ("connection refused"), or, when the other node's workers
+  are still alive, to them. With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` the ``c10d`` rendezvous
+  publishes a new free port every round and rank 0's worker hosts a new store there, so every
+  attempt starts from an empty store; the launcher sets it whenever workers can restart. The cost:
+  that store lives in rank 0's process, so when rank 0 is the rank that died its peers cannot read
+  each other's fault reports (see [Note: naming the lost rank] in ``hybridshard/faults.py``).
 """
 
 from __future__ import annotations
@@ -23,11 +46,13 @@ from hybridshard.launcher.slurm import SlurmEnv, slurm_from_env
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Source", "LaunchOptions", "LaunchSettings", "resolve_settings", "DEFAULT_PORT"]
+__all__ = ["Source", "LaunchOptions", "LaunchSettings", "resolve_settings", "DEFAULT_PORT", "FRESH_STORE_ENV"]
 
 DEFAULT_PORT = 29500
 _SLURM_PORT_SPAN = 1000
 _LOCAL_HOST = "127.0.0.1"
+FRESH_STORE_ENV = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+"""Set for torchrun when workers can restart: a new store for every attempt (see [Note: restarts])."""
 
 
 class Source(str, Enum):
@@ -36,6 +61,7 @@ class Source(str, Enum):
     OPTION = "option"
     SLURM = "slurm"
     GPUS = "visible GPUs"
+    RESTARTS = "max-restarts"
     DEFAULT = "default"
 
 
@@ -54,6 +80,8 @@ class LaunchOptions:
     rdzv_id: str | None = None
     master_addr: str | None = None
     master_port: int | None = None
+    max_restarts: int | None = None
+    """torchrun's ``--max-restarts``; above 0 it needs the ``c10d`` rendezvous (see [Note: restarts])."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +99,16 @@ class LaunchSettings:
     sources: tuple[tuple[str, Source], ...]
     """``(setting, source)`` for each setting, in a fixed order."""
     slurm_job_id: str | None = None
+    max_restarts: int | None = None
+
+    @property
+    def restartable(self) -> bool:
+        """True when torchrun may start this node's workers more than once (see [Note: restarts])."""
+        return (self.max_restarts or 0) > 0 or ":" in self.nnodes
+
+    def worker_env(self) -> list[tuple[str, str]]:
+        """Variables torchrun needs on top of the inherited environment."""
+        return [FRESH_STORE_ENV] if self.restartable and self.rdzv_backend != "static" else []
 
     @property
     def rdzv_endpoint(self) -> str:
@@ -101,6 +139,8 @@ class LaunchSettings:
             args += ["--rdzv-endpoint", self.rdzv_endpoint]
             if self.rdzv_id is not None:
                 args += ["--rdzv-id", self.rdzv_id]
+        if self.max_restarts is not None:
+            args += ["--max-restarts", str(self.max_restarts)]
         return args
 
 
@@ -150,8 +190,21 @@ def resolve_settings(
     """Resolve every setting; see [Note: rendezvous]. ``slurm=True`` reads SLURM from ``env``."""
     job = slurm_from_env(env) if slurm is True else (slurm or None)
     sources: dict[str, Source] = {}
-    backend = options.rdzv_backend or "static"
-    sources["rdzv_backend"] = Source.OPTION if options.rdzv_backend else Source.DEFAULT
+    restarts = options.max_restarts
+    if restarts is not None and restarts < 0:
+        raise ValueError(f"--max-restarts must be 0 or more, found {restarts}")
+    if restarts and options.rdzv_backend == "static":
+        raise ValueError(
+            f"--max-restarts {restarts} needs the c10d rendezvous, found --rdzv-backend static: a static "
+            "rendezvous restarts one node's workers alone, on the previous attempt's store; drop "
+            "--rdzv-backend static (c10d is then used) or pass --rdzv-backend c10d"
+        )
+    if options.rdzv_backend:
+        backend, sources["rdzv_backend"] = options.rdzv_backend, Source.OPTION
+    elif restarts:
+        backend, sources["rdzv_backend"] = "c10d", Source.RESTARTS
+    else:
+        backend, sources["rdzv_backend"] = "static", Source.DEFAULT
 
     if options.nnodes is not None:
         nnodes, sources["nnodes"] = options.nnodes, Source.OPTION
@@ -219,7 +272,8 @@ def resolve_settings(
         rdzv_id = job.job_id if job is not None else "hybridshard"
         sources["rdzv_id"] = Source.SLURM if job is not None else Source.DEFAULT
     if backend != "static" and options.node_rank is not None:
-        logger.warning("--node-rank is ignored with --rdzv-backend %s: the rendezvous assigns node ranks", backend)
+        why = f"--max-restarts {restarts} uses" if sources["rdzv_backend"] is Source.RESTARTS else "with"
+        logger.warning("--node-rank is ignored: %s the %s rendezvous, which assigns node ranks", why, backend)
     settings = LaunchSettings(
         nnodes=nnodes,
         node_rank=node_rank,
@@ -231,6 +285,7 @@ def resolve_settings(
         sources=tuple((k, sources[k]) for k in
                       ("nnodes", "node_rank", "nproc_per_node", "rdzv_backend", "rdzv_host", "rdzv_port", "rdzv_id")),
         slurm_job_id=job.job_id if job is not None else None,
+        max_restarts=restarts,
     )
     logger.debug("launch settings: %s", settings)
     return settings

@@ -1,0 +1,90 @@
+"""Count the bytes of tensor storages that a piece of code allocates and keeps alive, over time.
+
+    with LiveTensorBytes() as live:
+        out = f()
+    live.peak(exclude=live.storages_of(out))     # peak bytes of what f allocated, not counting out
+
+[Note: counting live tensor bytes]
+``tracemalloc`` does not see tensor storages and the CPU allocator keeps no peak, so this is a
+``TorchDispatchMode``: every op's output tensor whose storage is none of the op's inputs' storages
+is a new allocation (``empty``, ``clone``, ``_to_copy``...), recorded with its storage's size; a
+view or an in-place result shares an input's storage and only adds a reference to it. A
+``weakref.finalize`` on every tensor that refers to a storage tells when the last one dies, so the
+storage is counted from its allocation to that moment. Storages that existed before the mode, and
+views of them, are never counted. What it cannot see: memory a backend allocates inside one op
+(gloo's all-gather may stage through a buffer of its own), and a storage that C++ keeps alive after
+its last Python tensor is gone; so the figure is what the Python-level code allocates and holds.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def _key(t: torch.Tensor) -> tuple[str, int]:
+    storage = t.untyped_storage()
+    return str(storage.device), storage.data_ptr()
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """See [Note: counting live tensor bytes]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ids: dict[tuple[str, int], int] = {}  # live storage -> its id
+        self._refs: dict[int, int] = {}  # id -> live tensors referring to it
+        self.sizes: dict[int, int] = {}  # id -> bytes
+        self.events: list[tuple[int, int]] = []  # (id, +bytes at allocation | -bytes at release), in order
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - the mode protocol
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                self._track(t, inputs)
+        return out
+
+    def _track(self, t: torch.Tensor, inputs: set[tuple[str, int]]) -> None:
+        key = _key(t)
+        sid = self._ids.get(key)
+        if sid is None:
+            if key in inputs:
+                return  # a view of, or a write into, a storage from before the mode
+            sid = len(self.sizes)
+            self._ids[key] = sid
+            self.sizes[sid] = t.untyped_storage().nbytes()
+            self._refs[sid] = 0
+            self.events.append((sid, self.sizes[sid]))
+        self._refs[sid] += 1
+        weakref.finalize(t, self._release, sid, key)
+
+    def _release(self, sid: int, key: tuple[str, int]) -> None:
+        self._refs[sid] -= 1
+        if self._refs[sid] == 0:
+            self.events.append((sid, -self.sizes[sid]))
+            if self._ids.get(key) == sid:
+                del self._ids[key]
+
+    def storages_of(self, tensors: Iterable[Any]) -> set[int]:
+        """Ids of the counted storages under ``tensors`` (e.g. a function's outputs)."""
+        return {self._ids[_key(t)] for t in tree_leaves(list(tensors))
+                if isinstance(t, torch.Tensor) and _key(t) in self._ids}
+
+    def peak(self, exclude: set[int] = frozenset()) -> int:
+        """The most bytes alive at once, leaving out the storages ``exclude``."""
+        live = peak = 0
+        for sid, change in self.events:
+            if sid not in exclude:
+                live += change
+                peak = max(peak, live)
+        return peak
+
+    def live(self) -> int:
+        """Bytes counted and still alive."""
+        return sum(change for _, change in self.events)
