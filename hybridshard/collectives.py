@@ -151,7 +151,7 @@ class Pending:
         self._done = work is None
 
     def is_completed(self) -> bool:
-        return self._done or self._work.is_completed()
+        return self._done or self._work is None or self._work.is_completed()
 
     def wait(self) -> None:
         if self._done:
@@ -161,6 +161,7 @@ class Pending:
         except RuntimeError as err:
             raise faults.collective_failed(self._kind, self._name, self._group, err) from err
         self._done = True
+        self._work = None  # the work holds its input and output tensors: let them go now
         if self._then is not None:
             self._then()
 

@@ -8,8 +8,10 @@ autograd engine moves on to the next unit's backward while the gradient travels:
   (main) thread, so every shard-group collective - prefetching all-gathers included - is issued in
   the same order on every rank;
 * for a hybrid unit, what depends on that reduce-scatter (scale by 1/world, add what ``no_sync``
-  held, all-reduce across the replicate group, compressed or not) runs on one communication thread
-  per process, in submission order. During a backward only that thread touches replicate groups, so
+  held, issue the all-reduce across the replicate group; a compressed one runs there to the end)
+  runs on one communication thread per process, in submission order. The thread moves on to the
+  next unit as soon as it issued an all-reduce, so each unsharded gradient is dropped as soon as its
+  reduce-scatter is done. During a backward only that thread touches replicate groups, so
   their collectives too are issued in the same order everywhere; the inter-node all-reduce then
   overlaps the backward compute of the units that come next.
 * a non-hybrid unit needs one collective (a reduce-scatter over the world, or an all-reduce for
@@ -21,8 +23,8 @@ autograd engine moves on to the next unit's backward while the gradient travels:
 not start: it waits for every job in submission order and only then adds each reduced shard to
 ``.grad``, on the main thread. So no gradient is read before its collectives finished, and the
 arithmetic is the synchronous path's, in the same order: the results are bitwise identical.
-The unsharded gradient of a unit stays alive until its reduce-scatter completed (the job holds it,
-and the thread drops it right after), not until the end of backward.
+The unsharded gradient of a unit stays alive until its reduce-scatter completed: the job holds it
+and the next post-backward hook drops it once that is done, not the end of backward.
 
 On CUDA the same order holds with streams in place of the thread: see docs/performance.md.
 """
@@ -45,12 +47,17 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GradJob", "GradReducer", "JobState"]
 
+Finish = Callable[[torch.Tensor], "tuple[torch.Tensor, C.Pending | None]"]
+"""What is left of a unit's reduction once its first collective is done: shard -> (shard, still running)."""
+
 
 class JobState(enum.Enum):
     ISSUED = "issued"
     """The first collective is in flight."""
+    SCATTERED = "scattered"
+    """The first collective is done: the unsharded gradient may go."""
     REDUCED = "reduced"
-    """Every collective finished; ``shard`` holds the reduced gradient shard."""
+    """The thread's part is done; ``shard`` holds the reduced gradient shard once ``wait`` returns."""
     FAILED = "failed"
     """A collective raised; ``error`` holds it."""
 
@@ -59,7 +66,7 @@ class GradJob:
     """One unit's gradient between its post-backward hook and ``.grad``."""
 
     def __init__(self, unit: Any, full: torch.Tensor, shard: torch.Tensor, first: C.Pending,
-                 finish: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 finish: Finish) -> None:
         self.unit = unit
         self._where = dataclasses.replace(faults.where)
         self.full = full
@@ -67,6 +74,7 @@ class GradJob:
         self.shard = shard
         self._first = first
         self._finish = finish
+        self._last: C.Pending | None = None
         self.state = JobState.ISSUED
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -78,8 +86,9 @@ class GradJob:
         try:
             with faults.working_for(self._where):
                 self._first.wait()
-                self.full = None
-                self.shard = self._finish(self.shard)
+                self._first = None
+                self.state = JobState.SCATTERED
+                self.shard, self._last = self._finish(self.shard)
             self.state = JobState.REDUCED
         except BaseException as err:  # noqa: BLE001 - handed to the main thread by wait()
             self.error = err
@@ -91,6 +100,9 @@ class GradJob:
         self._done.wait()
         if self.error is not None:
             raise self.error
+        if self._last is not None:
+            last, self._last = self._last, None
+            last.wait()
         return self.shard
 
 
@@ -131,13 +143,18 @@ class GradReducer:
     def __bool__(self) -> bool:
         return bool(self._jobs)
 
-    def submit(self, unit: Any, full: torch.Tensor, shard: torch.Tensor, first: C.Pending,
-               finish: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def submit(self, unit: Any, full: torch.Tensor, shard: torch.Tensor, first: C.Pending, finish: Finish) -> None:
         """Hand the communication thread a unit whose first collective (``first``) is in flight.
 
         The thread waits for ``first``, drops ``full`` and runs ``finish``, whose collectives must be
-        on groups that only the thread uses during backward (the replicate groups).
+        on groups that only the thread uses during backward (the replicate groups). ``finish`` returns
+        the shard and, if it left one running, its last collective, which :meth:`drain` waits for.
         """
+        for done in self._jobs:
+            if done.state is not JobState.ISSUED:
+                # Dropped here, not on the thread, so the memory returns on the thread that took it
+                # (allocation profilers follow the main thread).
+                done.full = None
         job = GradJob(unit, full, shard, first, finish)
         self._jobs.append(job)
         _worker().put(job)

@@ -351,14 +351,15 @@ class Unit:
         stats = self.runtime.stats
 
         def scale(shard: torch.Tensor) -> torch.Tensor:
-            shard = shard / self.groups.world_size if self.groups.world_size > 1 else shard
-            return shard if held is None else shard + held
+            # In place: the shard is this reduction's own buffer (a fresh reduce-scatter output, or
+            # a slice of the gradient autograd handed over), so nothing is allocated on the thread.
+            if self.groups.world_size > 1:
+                shard.div_(self.groups.world_size)
+            return shard if held is None else shard.add_(held)
 
-        def scale_and_replicate(shard: torch.Tensor) -> torch.Tensor:
+        def scale_and_replicate(shard: torch.Tensor) -> tuple[torch.Tensor, C.Pending | None]:
             shard = scale(shard)
-            if not hold:
-                self._replicate(shard)
-            return shard
+            return shard, None if hold else self._replicate(shard, async_op=overlap)
 
         if self.groups.shard_size > 1:
             shard = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=grad.device)
@@ -367,7 +368,7 @@ class Unit:
             start, end = layout.shard_range()
             shard, first = grad[start:end], C.DONE
         if not overlap:
-            shard = scale_and_replicate(shard)
+            shard, _ = scale_and_replicate(shard)
             if hold:
                 self._pending_shard = shard
             else:
@@ -377,16 +378,16 @@ class Unit:
             # NO_SHARD: its one collective is on the world group, which the main thread issues.
             shard = scale(shard)
             first = C.all_reduce(shard, self.groups.replicate, stats=stats, async_op=True)
-            self.runtime.reducer.submit(self, grad, shard, first, lambda s: s)
+            self.runtime.reducer.submit(self, grad, shard, first, lambda s: (s, None))
             return
         self.runtime.reducer.submit(self, grad, shard, first, scale_and_replicate)
 
-    def _replicate(self, shard: torch.Tensor) -> None:
+    def _replicate(self, shard: torch.Tensor, async_op: bool = False) -> C.Pending | None:
         """All-reduce a scaled gradient shard across the replicate group (compressed if asked)."""
         if self.groups.replicate_size == 1:
-            return
+            return None
         compressor = self.runtime.compressor
         if compressor is not None and self.strategy.is_hybrid:
             compressor.all_reduce(shard, self.groups.replicate, key=self.index, stats=self.runtime.stats)
-        else:
-            C.all_reduce(shard, self.groups.replicate, stats=self.runtime.stats)
+            return None
+        return C.all_reduce(shard, self.groups.replicate, stats=self.runtime.stats, async_op=async_op)
