@@ -217,15 +217,70 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
                 stats=stats, async_op=async_op)
 
 
+# [Note: reduce-scatter on gloo]
+# gloo has no reduce-scatter of its own: ``reduce_scatter_tensor`` runs a full all-reduce and keeps
+# one chunk, so it sends twice the ring-minimum bytes. An ``all_to_all_single`` (chunk i to rank i)
+# followed by a local sum of the S received chunks sends exactly (S-1)/S of the input. In
+# benchmarks/collective_forms.py (4 gloo ranks on 2 shared CPUs, fp32, 64 KB to 16 MB per rank,
+# medians of 15 rounds in several runs) it took 0.3-0.8x the native time in groups of 4 and
+# 0.5-0.9x in groups of 2. A point-to-point ring (S-1 steps of isend/irecv) was slower up to 1 MB
+# (0.6-1.6x native) and faster only at 16 MB (0.42-0.59x against 0.45-0.80x), a gap that an
+# all-to-all into a reused receive buffer closed (0.35-0.51x): it is the cost of a fresh
+# full-size buffer, not of the pattern. The ring also cannot be issued asynchronously without a
+# thread, so CPU tensors on gloo take the all-to-all, with a buffer per call (a cache would hold a
+# full unit's gradient for good). Everything else (CUDA tensors on NCCL, other backends, shapes the
+# native call would reject) keeps ``reduce_scatter_tensor``.
+# The local sum runs in the input dtype, one rounding per addition, in the order gloo's ring
+# all-reduce adds (chunk c: rank c-1, then c-2, ..., then c itself), so a bf16 or fp32 result is the
+# native one bit for bit on almost every element; gloo orders tiny messages (a few elements per
+# rank) and segment boundaries otherwise, which differ by summation order only. Integer sums are
+# exact.
+
+
+def _sums_locally(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None, n: int) -> bool:
+    """Whether this reduce-scatter runs as an all-to-all plus a local sum; see [Note: reduce-scatter on gloo]."""
+    return (
+        full.device.type == "cpu"
+        and output.device.type == "cpu"
+        and output.dtype == full.dtype
+        and not full.dtype.is_complex
+        and full.dtype != torch.bool
+        and full.is_contiguous()
+        and output.is_contiguous()
+        and full.numel() == n * output.numel()
+        and "gloo" in str(dist.get_backend(group))
+    )
+
+
+def _sum_received(output: torch.Tensor, received: torch.Tensor, n: int, rank: int) -> None:
+    """``output = sum of the n chunks of received``, in gloo's ring order (see the Note)."""
+    chunks = received.view(n, -1)
+    with torch.no_grad():
+        output.view(-1).copy_(chunks[(rank - 1) % n])
+        for k in range(2, n + 1):
+            output.view(-1).add_(chunks[(rank - k) % n])
+
+
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None, *,
                    stats: CollectiveCounts | None = None, async_op: bool = False) -> Pending | None:
-    """Sum ``full`` over the group and keep this rank's chunk in ``output``."""
-    if group_size(group) == 1:
+    """Sum ``full`` over the group and keep this rank's chunk in ``output``.
+
+    With ``async_op=True`` on gloo the local sum runs in ``wait()``: read ``output`` after it.
+    """
+    n = group_size(group)
+    if n == 1:
         output.copy_(full)
         return _local(async_op)
+    if not _sums_locally(output, full, group, n):
+        return _run("reduce_scatter", group, full,
+                    lambda a: _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=group, async_op=a),
+                    stats=stats, async_op=async_op)
+    # Counted as the reduce-scatter it is (input: the full tensor), not as an all-to-all.
+    received = torch.empty_like(full)
+    rank = dist.get_rank(group)
     return _run("reduce_scatter", group, full,
-                lambda a: _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=group, async_op=a),
-                stats=stats, async_op=async_op)
+                lambda a: dist.all_to_all_single(received, full, group=group, async_op=a),
+                stats=stats, async_op=async_op, then=lambda: _sum_received(output, received, n, rank))
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM, *,
