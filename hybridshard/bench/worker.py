@@ -62,6 +62,13 @@ def _measured_step(trainer: Trainer, cfg: BenchConfig, groups, device: torch.dev
     return result[0], facts
 
 
+def _barrier(device: torch.device) -> None:
+    """A job-wide barrier that also waits for this rank's queued GPU work, so the clock sees it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
 def _rotated(items: list, k: int) -> list:
     k %= len(items)
     return items[k:] + items[:k]
@@ -101,10 +108,10 @@ def _run(cfg: BenchConfig, out_dir: str, *, link: str, from_job: bool, print_rep
         for t in _rotated(trainers, r):
             for _ in range(cfg.steps):
                 batch = _batch(cfg, t.steps_done).to(device)
-                dist.barrier()
+                _barrier(device)
                 t0 = time.perf_counter()
                 losses[t.contestant.name].append(t.step(batch))
-                dist.barrier()
+                _barrier(device)
                 times_ms[t.contestant.name].append((time.perf_counter() - t0) * 1e3)
             progress.advance(f"round {r + 1}/{cfg.rounds} {t.contestant.name}")
     progress.close()

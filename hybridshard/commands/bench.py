@@ -37,8 +37,11 @@ def _bandwidth(value: str) -> str | None:
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark hybridshard against FSDP1, FSDP2 and a no-communication floor",
-                              description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                              epilog="Method and measured figures: docs/performance.md")
+                              description="hybridshard against PyTorch FSDP1, FSDP2 and a no-communication floor: "
+                                          "the same model, groups and data, interleaved in rounds in one job.",
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog="examples:\n" + __doc__.split("\n\n")[1] + "\n\nMethod and measured figures: "
+                                     "docs/performance.md")
     p.add_argument("--strategy", type=str.lower, choices=_STRATEGIES, default="hybrid_shard",
                    help="hybrid_shard (ZeRO-3 in the node, default) or hybrid_shard_zero2")
     p.add_argument("--systems", default=",".join(s.value for s in DEFAULT_SYSTEMS),
