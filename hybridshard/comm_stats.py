@@ -22,10 +22,11 @@ def comm_stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     """This rank's communication since ``shard`` (or the last reset) for ``model``.
 
     Returns ``{"steps": n, "groups": {group: {op: {"calls", "elements", "bytes", "ring_bytes"},
-    "total": {"ring_bytes"}}}, "hook_seconds": {unit name: seconds}}``: ``steps`` counts backwards that
+    "total": {"ring_bytes"}}}, "hook_seconds": {unit name: seconds}, "gather_wait_seconds": {...}}``: ``steps`` counts backwards that
     reduced gradients (``no_sync`` ones excluded), ``bytes`` are the input tensors' bytes and
     ``ring_bytes`` what this rank sends in the ring model; ``hook_seconds`` is the wall time spent in
-    the runtime's hooks per unit (its CPU overhead). ``reset=True`` zeroes everything after reading.
+    the runtime's hooks per unit, and ``gather_wait_seconds`` the part of it spent gathering the
+    unit's parameters (blocked on the all-gather); the rest is the hooks' own CPU work. ``reset=True`` zeroes everything after reading.
     Only the units' own collectives count (gathers, gradient reductions), not those of
     ``clip_grad_norm_``, checkpoints or state dicts.
     """
@@ -34,9 +35,11 @@ def comm_stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
         "steps": runtime.steps,
         "groups": runtime.stats.by_group(),
         "hook_seconds": {unit.name: runtime.hook_seconds[unit.index] for unit in runtime.units},
+        "gather_wait_seconds": {unit.name: runtime.wait_seconds[unit.index] for unit in runtime.units},
     }
     if reset:
         runtime.stats.reset()
         runtime.steps = 0
         runtime.hook_seconds = [0.0] * len(runtime.units)
+        runtime.wait_seconds = [0.0] * len(runtime.units)
     return out

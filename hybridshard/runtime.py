@@ -88,6 +88,8 @@ class Runtime:
         """Backwards that reduced gradients (not inside ``no_sync``) since the stats were reset."""
         self.hook_seconds: list[float] = []
         """Per unit: wall time spent in the runtime's hooks since the stats were reset."""
+        self.wait_seconds: list[float] = []
+        """Per unit: the part of ``hook_seconds`` spent gathering (blocked on its all-gather)."""
 
     @property
     def root(self) -> Unit:
@@ -101,6 +103,7 @@ class Runtime:
         self.units = list(units)
         self.prefetcher = Prefetcher(self.units, self.prefetch_depth)
         self.hook_seconds = [0.0] * len(self.units)
+        self.wait_seconds = [0.0] * len(self.units)
         for index, unit in enumerate(self.units):
             unit.index = index
             is_root = unit is self.units[0]

@@ -131,15 +131,17 @@ class Unit:
 
     def unshard(self) -> None:
         self.prefetched = False
+        if self.sharded_state is ShardedState.UNSHARDED:
+            return
+        started = time.perf_counter()
         if self.sharded_state is ShardedState.GATHERING:
             pending, self._gathering = self._gathering, None
             pending.wait()
-            self.sharded_state = ShardedState.UNSHARDED
-        if self.sharded_state is ShardedState.UNSHARDED:
-            return
-        self.flat.alloc_storage()
-        self._gather()
+        else:
+            self.flat.alloc_storage()
+            self._gather()
         self.sharded_state = ShardedState.UNSHARDED
+        self.runtime.wait_seconds[self.index] += time.perf_counter() - started
 
     def prefetch(self) -> bool:
         """Issue this unit's all-gather without waiting for it; whether one was issued.

@@ -50,6 +50,10 @@ def test_bench_end_to_end_on_loopback(tmp_path):
         if name != "floor":
             for group in ("shard", "replicate"):
                 assert e["bytes_per_step"][group]["total"]["ring_bytes"] > 0, (name, group)
+    hooks = systems["hybridshard"]["hook_ms_per_step_by_rank"]
+    assert len(hooks) == 4 and all(set(h) == {"<root>", "blocks.0", "blocks.1"} for h in hooks), hooks
+    assert all(ms > 0 for h in hooks for ms in h.values())
+    assert systems["fsdp1"]["hook_ms_per_step_by_rank"] == [None] * 4
     assert systems["floor"]["bytes_per_step"] == {} and systems["floor"]["loss_compared_steps"] == 1
     assert systems["fsdp1"]["loss_compared_steps"] == 2  # warm-up + the first round
     assert results["reference"] == "hybridshard"

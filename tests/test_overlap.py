@@ -285,6 +285,9 @@ def test_comm_stats_per_step_equal_the_formulas(pool, strategy, bf16):
             assert math.isclose(measured[group], value, rel_tol=1e-12), (rank, group, measured[group], value)
         assert set(stats["hook_seconds"]) == {"<root>", "blocks.0", "blocks.1", "blocks.2"}
         assert all(t > 0 for t in stats["hook_seconds"].values())
+        waits = stats["gather_wait_seconds"]
+        assert set(waits) == set(stats["hook_seconds"])
+        assert all(0 <= waits[u] <= stats["hook_seconds"][u] for u in waits), (waits, stats["hook_seconds"])
 
 
 # -- compressed cross-node gradients still train ---------------------------------------------------

@@ -115,6 +115,13 @@ def _run(cfg: BenchConfig, out_dir: str, *, link: str, from_job: bool, print_rep
                 times_ms[t.contestant.name].append((time.perf_counter() - t0) * 1e3)
             progress.advance(f"round {r + 1}/{cfg.rounds} {t.contestant.name}")
     progress.close()
+    for t in trainers:  # the runtime's CPU overhead: wall time in its hooks, per unit and step
+        if t.contestant.system is System.HYBRIDSHARD:
+            seen = hs.comm_stats(t.model)
+            steps = max(seen["steps"], 1)
+            facts[t.contestant.name]["hook_ms_per_step"] = {u: sec * 1e3 / steps for u, sec in seen["hook_seconds"].items()}
+            facts[t.contestant.name]["gather_wait_ms_per_step"] = {
+                u: sec * 1e3 / steps for u, sec in seen["gather_wait_seconds"].items()}
     # (contestants, steps) local losses -> the global batch's mean loss per step
     mean_losses = torch.stack([torch.stack(losses[n]) for n in names]).double()
     dist.all_reduce(mean_losses)
@@ -163,6 +170,8 @@ def _assemble(cfg: BenchConfig, groups, names: list[str], times_ms: dict[str, li
             "bytes_per_step_by_rank": [r["facts"][n]["bytes_per_step"] for r in per_rank],
             "state_bytes": max(r["facts"][n]["state_bytes"] for r in per_rank),
             "peak_bytes": max(r["facts"][n]["peak_bytes"] for r in per_rank),
+            "hook_ms_per_step_by_rank": [r["facts"][n].get("hook_ms_per_step") for r in per_rank],
+            "gather_wait_ms_per_step_by_rank": [r["facts"][n].get("gather_wait_ms_per_step") for r in per_rank],
         }
     return {
         "benchmark": "hybridshard bench",
