@@ -166,7 +166,9 @@ class MemoryEstimate:
     """The gradient shard (master dtype)."""
     optimizer: int
     gathered: int
-    """Unsharded buffers alive at the peak: what stays gathered, plus the largest unit's parameters and gradient."""
+    """Unsharded buffers and gradients alive at the peak: what stays gathered, the ``prefetch + 1``
+    ZeRO-3 units gathered, the unit gradient in flight (less the gradient shards for ZeRO-2, whose
+    peak comes before they exist)."""
 
     @property
     def total(self) -> int:
@@ -250,13 +252,24 @@ def _link_of(group: str, cluster: ClusterSpec) -> LinkClass:
     return LinkClass.INTER_NODE  # the world, or a replicate group (a member in every shard group, so on every node)
 
 
-def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec) -> MemoryEstimate:
-    """Per-GPU bytes; docs/planning.md explains each term."""
+def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, prefetch: int = 1,
+           overlap_grads: bool = True) -> MemoryEstimate:
+    """Per-GPU bytes at the step's peak (in backward); docs/planning.md explains each term.
+
+    ``prefetch`` and ``overlap_grads`` are ``shard()``'s: ZeRO-3 with prefetch ``d`` keeps up to
+    ``d + 1`` units gathered, and an overlapped reduction keeps the previous unit's gradient alive
+    while the next one is summed.
+    """
     shard_numel = -(-model.num_params // shard_size)
-    b_p, b_m = model.b_param, model.b_master
+    b_p, b_m, b_r = model.b_param, model.b_master, model.b_reduce
     unit = model.unit_params
-    # The unit's gradient arrives in the compute dtype; a different reduce dtype adds a cast copy.
-    unit_grad = unit * b_p + (unit * model.b_reduce if model.reduce_dtype != model.param_dtype else 0)
+    # The unit's gradient while autograd sums it into the flat gradient: the sum, one parameter's
+    # gradient padded to the unit's size, and that parameter's own gradient (taken as half a unit).
+    # It arrives in the compute dtype; a different reduce dtype adds a cast copy.
+    unit_grad = unit * b_p * 5 // 2 + (unit * b_r if model.reduce_dtype != model.param_dtype else 0)
+    if overlap_grads and shard_size > 1:
+        unit_grad += unit * b_r  # the previous unit's gradient, kept until its reduce-scatter is done
+    grads = shard_numel * b_m
     if shard_size == 1:
         # The gathered buffer is the master itself unless it is computed in another dtype, and
         # then every unit keeps its copy from forward until its backward.
@@ -264,19 +277,22 @@ def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec) -> 
         working = unit_grad
     elif strategy.reshard_after_forward:
         kept = model.root_params * b_p
-        working = unit * b_p + unit_grad
+        working = (prefetch + 1) * unit * b_p + unit_grad
     else:
-        kept = model.num_params * b_p  # ZeRO-2: every unit stays gathered from forward into backward
+        # ZeRO-2: every unit stays gathered from forward into backward, so the peak is the first
+        # unit's backward, before any gradient shard exists: the grads term is not there yet.
+        kept = model.num_params * b_p - grads
         working = unit_grad
     return MemoryEstimate(
         params=shard_numel * b_m,
-        grads=shard_numel * b_m,
+        grads=grads,
         optimizer=model.optimizer.states_per_param * shard_numel * b_m,
         gathered=kept + working,
     )
 
 
-def estimate(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, cluster: ClusterSpec) -> Estimate:
+def estimate(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, cluster: ClusterSpec,
+             prefetch: int = 1, overlap_grads: bool = True) -> Estimate:
     """Memory and communication of ``strategy`` with ``shard_size`` (ignored unless hybrid)."""
     s, r = _groups(strategy, cluster, shard_size)
     if s * r != cluster.world_size:
@@ -288,7 +304,7 @@ def estimate(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, c
     for (_, group), nbytes in collectives.items():
         by_link[_link_of(group, cluster)] += nbytes
     seconds = {link: nbytes * 8 / (cluster.gbps(link) * 1e9) for link, nbytes in by_link.items()}
-    mem = memory(strategy, s, model=model)
+    mem = memory(strategy, s, model=model, prefetch=prefetch, overlap_grads=overlap_grads)
     notes = []
     if not strategy.is_hybrid and strategy is not ShardingStrategy.NO_SHARD and cluster.num_nodes > 1:
         spans = f"its shard group spans {cluster.num_nodes} nodes"

@@ -14,6 +14,11 @@ storage is counted from its allocation to that moment. Storages that existed bef
 views of them, are never counted. What it cannot see: memory a backend allocates inside one op
 (gloo's all-gather may stage through a buffer of its own), and a storage that C++ keeps alive after
 its last Python tensor is gone; so the figure is what the Python-level code allocates and holds.
+
+Memory that no op allocates (a storage grown with ``untyped_storage().resize_()``) can be entered
+by hand into the same timeline with :meth:`LiveTensorBytes.record`; every storage carries a label
+(the op that allocated it, or the one given), and :meth:`LiveTensorBytes.alive_at_peak` says what
+was alive at the peak. The mode is thread-local: ops on another thread are not seen.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class LiveTensorBytes(TorchDispatchMode):
         self._refs: dict[int, int] = {}  # id -> live tensors referring to it
         self.sizes: dict[int, int] = {}  # id -> bytes
         self.events: list[tuple[int, int]] = []  # (id, +bytes at allocation | -bytes at release), in order
+        self.labels: dict[int, str] = {}  # id -> the op that allocated it, or record()'s label
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - the mode protocol
         kwargs = kwargs or {}
@@ -47,10 +53,10 @@ class LiveTensorBytes(TorchDispatchMode):
         inputs = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
-                self._track(t, inputs)
+                self._track(t, inputs, str(func))
         return out
 
-    def _track(self, t: torch.Tensor, inputs: set[tuple[str, int]]) -> None:
+    def _track(self, t: torch.Tensor, inputs: set[tuple[str, int]], label: str = "") -> None:
         key = _key(t)
         sid = self._ids.get(key)
         if sid is None:
@@ -60,6 +66,7 @@ class LiveTensorBytes(TorchDispatchMode):
             self._ids[key] = sid
             self.sizes[sid] = t.untyped_storage().nbytes()
             self._refs[sid] = 0
+            self.labels[sid] = label
             self.events.append((sid, self.sizes[sid]))
         self._refs[sid] += 1
         weakref.finalize(t, self._release, sid, key)
@@ -70,6 +77,18 @@ class LiveTensorBytes(TorchDispatchMode):
             self.events.append((sid, -self.sizes[sid]))
             if self._ids.get(key) == sid:
                 del self._ids[key]
+
+    def record(self, label: str, nbytes: int) -> int:
+        """Enter an allocation of ``nbytes`` that no op made (e.g. a ``resize_``); its id, for :meth:`release`."""
+        sid = len(self.sizes)
+        self.sizes[sid] = nbytes
+        self.labels[sid] = label
+        self.events.append((sid, nbytes))
+        return sid
+
+    def release(self, sid: int) -> None:
+        """End an allocation entered with :meth:`record`."""
+        self.events.append((sid, -self.sizes[sid]))
 
     def storages_of(self, tensors: Iterable[Any]) -> set[int]:
         """Ids of the counted storages under ``tensors`` (e.g. a function's outputs)."""
@@ -84,6 +103,23 @@ class LiveTensorBytes(TorchDispatchMode):
                 live += change
                 peak = max(peak, live)
         return peak
+
+    def alive_at_peak(self, exclude: set[int] = frozenset()) -> dict[int, tuple[str, int]]:
+        """``{id: (label, bytes)}`` of the storages alive at the (first) peak."""
+        alive: dict[int, int] = {}
+        best: dict[int, int] = {}
+        live = peak = 0
+        for sid, change in self.events:
+            if sid in exclude:
+                continue
+            live += change
+            if change > 0:
+                alive[sid] = change
+            else:
+                alive.pop(sid, None)
+            if live > peak:
+                peak, best = live, dict(alive)
+        return {sid: (self.labels.get(sid, ""), n) for sid, n in best.items()}
 
     def live(self) -> int:
         """Bytes counted and still alive."""
