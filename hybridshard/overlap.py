@@ -23,8 +23,10 @@ autograd engine moves on to the next unit's backward while the gradient travels:
 not start: it waits for every job in submission order and only then adds each reduced shard to
 ``.grad``, on the main thread. So no gradient is read before its collectives finished, and the
 arithmetic is the synchronous path's, in the same order: the results are bitwise identical.
-The unsharded gradient of a unit stays alive until its reduce-scatter completed: the job holds it
-and the next post-backward hook drops it once that is done, not the end of backward.
+The unsharded gradient of a unit stays alive until its reduce-scatter completed: the job holds it,
+and the next unit's post-backward hook waits for that reduce-scatter (it had the next unit's whole
+backward to finish) and drops it. So at most two unsharded gradients are alive at once, the one in
+flight and the one just computed, however far the thread lags.
 
 On CUDA the same order holds with streams in place of the thread: see docs/performance.md.
 """
@@ -78,6 +80,7 @@ class GradJob:
         self.state = JobState.ISSUED
         self.error: BaseException | None = None
         self._done = threading.Event()
+        self._scattered = threading.Event()
 
     def run(self) -> None:
         """On the communication thread: wait for the first collective, then do the rest."""
@@ -88,12 +91,14 @@ class GradJob:
                 self._first.wait()
                 self._first = None
                 self.state = JobState.SCATTERED
+                self._scattered.set()
                 self.shard, self._last = self._finish(self.shard)
             self.state = JobState.REDUCED
         except BaseException as err:  # noqa: BLE001 - handed to the main thread by wait()
             self.error = err
             self.state = JobState.FAILED
         finally:
+            self._scattered.set()
             self._done.set()
 
     def wait(self) -> torch.Tensor:
@@ -150,11 +155,13 @@ class GradReducer:
         on groups that only the thread uses during backward (the replicate groups). ``finish`` returns
         the shard and, if it left one running, its last collective, which :meth:`drain` waits for.
         """
-        for done in self._jobs:
-            if done.state is not JobState.ISSUED:
-                # Dropped here, not on the thread, so the memory returns on the thread that took it
-                # (allocation profilers follow the main thread).
-                done.full = None
+        for earlier in self._jobs:
+            if earlier.full is not None:
+                # At most one unsharded gradient in flight besides this one: the previous unit's
+                # reduce-scatter had this unit's whole backward to finish. Dropped here, not on the
+                # thread, so the memory returns on the thread that took it.
+                earlier._scattered.wait()
+                earlier.full = None
         job = GradJob(unit, full, shard, first, finish)
         self._jobs.append(job)
         _worker().put(job)
