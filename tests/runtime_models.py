@@ -134,7 +134,7 @@ def expected_counts(cfg: Config) -> dict[tuple[str, str], int]:
     stays gathered from forward into backward), NO_SHARD never. Reductions happen once per unit on
     the syncing backward (and per micro-batch for the shard-group reduce-scatter with
     ``reduce_scatter_micro``). Hybrid units use the "shard"/"replicate" groups, the others "world"."""
-    from hybridshard.strategy import ShardingStrategy
+    from hybridshard.runtime.strategy import ShardingStrategy
 
     out: Counter = Counter()
     micro = cfg.micro_steps

@@ -91,7 +91,7 @@ def test_variants_pass_shard_options_and_reject_unknown_ones():
     with pytest.raises(ValueError, match="expected key=value pairs"):
         parse_variant("hybridshard:prefetch", accepted=lambda: ["prefetch"])
     assert "debug" in shard_options() and "groups" not in shard_options()  # the bench fixes groups/strategy/wrap
-    from hybridshard.commands.bench import _variants
+    from hybridshard.cli.bench import _variants
 
     assert _variants("hybridshard,hybridshard:a=1,b=2,hybridshard:c=3") == ["hybridshard", "hybridshard:a=1,b=2",
                                                                             "hybridshard:c=3"]

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import hybridshard as hs
-from hybridshard import checkpoint as CK
-from hybridshard.runtime import get_runtime
+from hybridshard.state import checkpoint as CK
+from hybridshard.runtime.engine import get_runtime
 from tests import runtime_models as RM
 from tests.live_bytes import LiveTensorBytes
 from tests.mp import RankPool
@@ -311,7 +311,7 @@ def test_mismatched_model_fails_naming_parameters_and_changes_nothing(pool, tmp_
 def test_flat_ranges_as_boxes_and_incomplete_checkpoints(tmp_path):
     """Every flat range of a tensor is tiled, in order, by at most 2*ndim-1 contiguous boxes; a
     checkpoint that lacks part of a tensor fails to load, naming the entry."""
-    from hybridshard.checkpoint_plan import Piece, PieceLoadPlanner, PieceSavePlanner, flat_range_boxes
+    from hybridshard.state.planner import Piece, PieceLoadPlanner, PieceSavePlanner, flat_range_boxes
 
     for shape in [(5,), (3, 4), (2, 3, 4), (4, 1, 3)]:
         full = torch.arange(torch.Size(shape).numel()).view(shape)
@@ -341,7 +341,7 @@ def test_flat_ranges_as_boxes_and_incomplete_checkpoints(tmp_path):
 
 def test_save_logs_each_rank_progress_and_the_bytes_it_wrote(tmp_path, caplog, monkeypatch):
     """See [Note: save progress] in hybridshard/checkpoint_progress.py (one plain process here)."""
-    from hybridshard import checkpoint_progress as CP
+    from hybridshard.state import progress as CP
 
     monkeypatch.setattr(CP, "PROGRESS_INTERVAL_S", 0.0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])  # 8 x 16.25 KiB of tensors

@@ -18,7 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridshard import collectives as C
+from hybridshard.runtime import collectives as C
+from hybridshard.runtime import counters
+from hybridshard.topology import groups as G
 from tests.mp import RankPool
 
 pytestmark = pytest.mark.multiprocess
@@ -41,7 +43,7 @@ def _groups():
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    _GROUPS.update(world=None, pairs=pairs[rank // 2], strided=strided[rank % 2])
+    _GROUPS.update(world=dist.group.WORLD, pairs=pairs[rank // 2], strided=strided[rank % 2])
     return _GROUPS
 
 
@@ -90,25 +92,25 @@ def compare_with_native() -> dict:
 
 def count_one_call() -> dict:
     """Counters of one sync and one async reduce-scatter in each group, and the debug check."""
-    from hybridshard import faults
+    from hybridshard.runtime import agreement
 
     out = {}
     for gname, group in _groups().items():
-        C.name_group(group, f"test-{gname}")
+        G.name_group(group, f"test-{gname}")
         n = C.group_size(group)
         full, shard = torch.ones(1024), torch.empty(1024 // n)
-        stats = C.CollectiveCounts()
-        with C.count_collectives() as counts:
+        stats = counters.CollectiveCounts()
+        with counters.count_collectives() as counts:
             C.reduce_scatter(shard, full, group, stats=stats)
             C.reduce_scatter(shard, full, group, stats=stats, async_op=True).wait()
-        faults.set_debug(True)
+        agreement.set_debug(True)
         try:
             C.reduce_scatter(shard, full, group)  # the agreement check sees a reduce-scatter
         finally:
-            faults.set_debug(False)
+            agreement.set_debug(False)
         out[gname] = {
             "size": n,
-            "name": C.group_name(group),
+            "name": G.group_name(group),
             "counts": [dict(c.calls) for c in (stats, counts)],
             "elements": [dict(c.elements) for c in (stats, counts)],
             "bytes": [dict(c.bytes) for c in (stats, counts)],

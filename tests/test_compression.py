@@ -21,8 +21,10 @@ import threading
 import pytest
 import torch
 
-from hybridshard import collectives as C
-from hybridshard.compression import MODES, ReplicateCompressor, parse_compression
+from hybridshard.runtime import collectives as C
+from hybridshard.runtime import counters
+from hybridshard.topology import groups as G
+from hybridshard.runtime.compression import MODES, ReplicateCompressor, parse_compression
 from tests.mp import RankPool
 
 pytestmark = pytest.mark.multiprocess
@@ -45,9 +47,8 @@ def _groups() -> dict:
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     singles = [dist.new_group([r]) for r in range(WORLD)]
-    C.name_group(pairs[rank // 2], "pairs")
-    C.name_group(None, "world")
-    _GROUPS.update(world=None, pairs=pairs[rank // 2], single=singles[rank])
+    G.name_group(pairs[rank // 2], "pairs")
+        _GROUPS.update(world=dist.group.WORLD, pairs=pairs[rank // 2], single=singles[rank])
     return _GROUPS
 
 
@@ -92,7 +93,7 @@ def one_call() -> dict:
         x = _input(numel, seed=dist.get_rank() * 1013 + numel)
         xs = _everyone(x, group)
         exact = xs.double().sum(0)
-        result, stats = x.clone(), C.CollectiveCounts()
+        result, stats = x.clone(), counters.CollectiveCounts()
         ReplicateCompressor(mode, BLOCK).all_reduce(result, group, key=0, stats=stats)
         err = (result.double() - exact).abs()
         out[(gname, mode, numel)] = {
@@ -132,7 +133,7 @@ def edge_cases() -> dict:
     compressor = ReplicateCompressor("int8", BLOCK)
     x = _input(600, seed=dist.get_rank())
     alone = x.clone()
-    with C.count_collectives() as counts:
+    with counters.count_collectives() as counts:
         compressor.all_reduce(alone, groups["single"], key=0)
     expected = x.clone()
     ReplicateCompressor("int8", BLOCK).all_reduce(expected, groups["world"], key=0)

@@ -90,7 +90,7 @@ def test_extra_forward_on_one_rank_without_debug_ends_by_the_timeout():
 def test_unreachable_store_is_said_instead_of_naming_every_rank(monkeypatch):
     # Under a restartable launch the store lives in rank 0's process (see [Note: restarts] in
     # hybridshard/launcher/settings.py); when rank 0 dies, its peers cannot read each other's reports.
-    from hybridshard import faults
+    from hybridshard.runtime import faults
 
     class GoneStore:
         def check(self, keys):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hybridshard.commands import launch as launch_cmd
+from hybridshard.cli import launch as launch_cmd
 from hybridshard.launcher import bind
 from hybridshard.launcher.command import EntryMode, make_entry
 from hybridshard.launcher.numa import compute_binding, format_cpulist, parse_cpulist

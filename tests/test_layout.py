@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hybridshard.layout import FlatLayout
-from hybridshard.strategy import MixedPrecision, ShardingStrategy
-from hybridshard.wrap import plan_units
+from hybridshard.runtime.layout import FlatLayout
+from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
+from hybridshard.runtime.wrap import plan_units
 from tests.runtime_models import Block, TinyLM
 
 
@@ -133,7 +133,7 @@ def test_plan_units_rejects_bad_strategies(wrap, match):
 
 
 def test_low_precision_grads_need_grad_dtype():
-    from hybridshard.shard import _check_low_precision_grads
+    from hybridshard.runtime.api import _check_low_precision_grads
 
     mp = MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
     _check_low_precision_grads(mp, torch.Tensor)  # torch has Tensor.grad_dtype

@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybridshard.sizing import ModelSpec, memory
-from hybridshard.strategy import ShardingStrategy
+from hybridshard.planning.sizing import ModelSpec, memory
+from hybridshard.runtime.strategy import ShardingStrategy
 from tests import runtime_models as RM
 from tests.live_bytes import LiveTensorBytes, _key
 from tests.mp import RankPool
@@ -119,8 +119,8 @@ class _Recorder:
     """Wraps ``FlatParam.alloc_storage``/``free_storage`` and the communication thread's jobs."""
 
     def __init__(self, live: LiveTensorBytes) -> None:
-        from hybridshard.flat_param import FlatParam
-        from hybridshard.overlap import GradJob
+        from hybridshard.runtime.flat_param import FlatParam
+        from hybridshard.runtime.overlap import GradJob
 
         self.live = live
         self.open: dict[int, int] = {}  # id(FlatParam) -> its recorded allocation

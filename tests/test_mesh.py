@@ -97,7 +97,9 @@ def hybridshard_run(cfg: RM.Config, *, via: str) -> dict:
     out = _train(model, cfg, _hs_state)
     pair = model._hybridshard_runtime.units[0].groups
     out["sizes"] = (pair.shard_size, pair.replicate_size)
-    out["shard_group_name"] = hs.collectives.group_name(pair.shard)
+    from hybridshard.topology.groups import group_name
+
+    out["shard_group_name"] = group_name(pair.shard)
     return out
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridshard.commands import topo
+from hybridshard.cli import topo
 from tests.mp import RankPool, node_placement
 from hybridshard.topology.probe import probe_node
 

@@ -1,4 +1,18 @@
-"""Build the ``torch.distributed`` groups and the 2-D ``DeviceMesh`` of a :class:`GroupPlan`.
+"""This rank's shard and replicate groups: the one type for them, and every way to get one.
+
+:class:`ShardGroups` is the only groups type of the project. It comes from
+
+- :func:`init_groups`: probe every rank, gather the cluster view, plan (a pure function, see
+  :mod:`hybridshard.topology.planner`) and :func:`build_groups`;
+- :meth:`ShardGroups.from_mesh`: a ``DeviceMesh`` as FSDP2 and torchtitan describe hybrid sharding;
+- :meth:`ShardGroups.over_world`: the whole job as one shard group (FULL_SHARD, SHARD_GRAD_OP) or as
+  one replicate group (NO_SHARD).
+
+[Note: None means no group]
+``shard`` or ``replicate`` is ``None`` when that dimension holds this rank alone: its size is 1 and
+nothing is ever sent over it. ``None`` never stands for the whole job; the whole job is
+``torch.distributed.group.WORLD``, passed explicitly. The collectives follow the same rule (see
+:mod:`hybridshard.runtime.collectives`), so a missed guard cannot turn into a collective over every rank.
 
 [Note: every rank creates every group]
 Creating a process group is collective over the default group: every rank must create every group,
@@ -11,59 +25,110 @@ With NCCL and a default group bound to a device (``init_process_group(device_id=
 ``split_group`` call per kind of group creates every rank's communicator through a single
 communicator split, instead of one store rendezvous per group. Otherwise (gloo, or an unbound
 default group) the groups are created one by one with ``new_group``.
+
+[Note: meshes in]
+FSDP2 and torchtitan users describe hybrid sharding with a ``DeviceMesh``: a 2-D mesh whose dim 0
+replicates and dim 1 shards, built as ``init_device_mesh(device, (R, S),
+mesh_dim_names=("replicate", "shard"))``. ``shard(..., mesh=...)`` accepts that mesh in place of
+``groups=`` (a :class:`ShardGroups`, whose ``.mesh`` is such a mesh too):
+
+- 2-D: the dims must be named ``("replicate", "shard")`` in that order (the order FSDP2 gives its
+  HSDP placements, ``(Replicate(), Shard(0))``). Hybrid units shard over the ``"shard"`` dim's group
+  and all-reduce gradient shards over the ``"replicate"`` dim's group.
+- 1-D: sharded over the whole mesh, as FSDP2 does with a 1-D mesh. Hybrid units then behave like
+  FULL_SHARD over the mesh's group (there is no replicate group). A 1-D mesh named ``"replicate"``
+  says the opposite (pure replication) and is rejected: use ``NO_SHARD`` for that.
+
+The mesh must cover every rank of the job exactly once (its size equals the world size) and use the
+same process groups on every rank; anything else raises a ``ValueError`` before any collective.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from hybridshard.topology.planner import GroupPlan
-from hybridshard.topology.records import ClusterView
+from hybridshard.topology.cluster import gather_cluster
+from hybridshard.topology.planner import GroupPlan, plan_groups
+from hybridshard.topology.records import ClusterView, RankProbe
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MESH_DIM_NAMES", "ShardGroups", "build_groups"]
+__all__ = ["MESH_DIM_NAMES", "ShardGroups", "build_groups", "group_name", "init_groups", "local_device", "name_group"]
 
 MESH_DIM_NAMES = ("replicate", "shard")
 
+_NAMES: "weakref.WeakKeyDictionary[dist.ProcessGroup, str]" = weakref.WeakKeyDictionary()
 
-@dataclass(frozen=True)
+
+def name_group(group: dist.ProcessGroup, name: str) -> None:
+    """Give ``group`` a name for counters, debug logs and fault messages ("shard", "replicate", "world")."""
+    _NAMES[group] = name
+
+
+def group_name(group: dist.ProcessGroup | None) -> str:
+    """The name :func:`name_group` gave ``group``; ``"world"`` for the default group, ``"none"`` for no group."""
+    if group is None:
+        return "none"
+    found = _NAMES.get(group)
+    if found is not None:
+        return found
+    return "world" if group is dist.group.WORLD else f"group@{id(group):x}"
+
+
+def _size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+@dataclass(frozen=True, eq=False)
 class ShardGroups:
-    """This rank's groups for hybrid sharding."""
+    """This rank's groups for one sharded model; see [Note: None means no group]."""
 
-    shard: dist.ProcessGroup
+    shard: dist.ProcessGroup | None
     """The ranks this rank shards parameters with (one fast domain)."""
-    replicate: dist.ProcessGroup
+    replicate: dist.ProcessGroup | None
     """The ranks holding the same shard in other domains; gradient shards are all-reduced here."""
-    mesh: Any
+    mesh: Any = None
     """A 2-D ``DeviceMesh`` named ``("replicate", "shard")`` over the same groups, or ``None``."""
-    plan: GroupPlan
+    plan: GroupPlan | None = None
+    """The plan the groups were built from, when they came from :func:`init_groups`."""
     cluster: ClusterView | None = None
     """The cluster view the plan came from, when known."""
     device: torch.device | None = None
     """The device this rank computes on: its GPU as topology found it, else the CPU."""
+    shard_size: int = field(init=False)
+    replicate_size: int = field(init=False)
+    shard_rank: int = field(init=False)
+    replicate_rank: int = field(init=False)
+    """This rank's index in the replicate group; replica 0 holds the copy that norms count."""
+
+    def __post_init__(self) -> None:
+        for kind in ("shard", "replicate"):
+            size, rank = _size_and_rank(getattr(self, kind))
+            object.__setattr__(self, f"{kind}_size", size)
+            object.__setattr__(self, f"{kind}_rank", rank)
 
     @property
-    def shard_size(self) -> int:
-        return self.plan.shard_size
+    def world_size(self) -> int:
+        return self.shard_size * self.replicate_size
 
-    @property
-    def replicate_size(self) -> int:
-        return self.plan.replicate_size
+    @classmethod
+    def over_world(cls, *, replicate: bool = False) -> "ShardGroups":
+        """The whole job as the shard group (``replicate=False``) or as the replicate group."""
+        world = dist.group.WORLD
+        name_group(world, "world")
+        return cls(shard=None, replicate=world) if replicate else cls(shard=world, replicate=None)
 
-    @property
-    def shard_rank(self) -> int:
-        return dist.get_rank(self.shard)
-
-    @property
-    def replicate_rank(self) -> int:
-        return dist.get_rank(self.replicate)
+    @classmethod
+    def from_mesh(cls, mesh: Any) -> "ShardGroups":
+        """The groups of ``mesh``; see [Note: meshes in]."""
+        return _from_mesh(mesh)
 
 
 def _split_capable(default_pg: dist.ProcessGroup) -> bool:
@@ -153,6 +218,8 @@ def build_groups(
         )
     shard = _create(plan.shard_groups, "shard", backend)
     replicate = _create(plan.replicate_groups, "replicate", backend)
+    name_group(shard, "shard")
+    name_group(replicate, "replicate")
     mesh = _build_mesh(plan, shard, replicate)
     logger.info(
         "rank %d: shard group %s, replicate group %s",
@@ -161,3 +228,95 @@ def build_groups(
         plan.replicate_group_of(dist.get_rank()),
     )
     return ShardGroups(shard=shard, replicate=replicate, mesh=mesh, plan=plan, cluster=cluster, device=device)
+
+
+# -- from discovery -----------------------------------------------------------------------------
+
+
+def local_device(probe: RankProbe) -> torch.device:
+    """The device a rank computes on: its GPU as topology found it, else the CPU.
+
+    NVML numbers physical GPUs; CUDA numbers the visible ones. The rank's GPU is located in its
+    visible list by UUID, which is the CUDA ordinal.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if probe.gpu_uuid is not None and probe.gpu_uuid in probe.visible_gpu_uuids:
+        return torch.device("cuda", probe.visible_gpu_uuids.index(probe.gpu_uuid))
+    # NVML could not tell (no library, or a failed query): fall back to torchrun's convention.
+    return torch.device("cuda", probe.local_rank % torch.cuda.device_count())
+
+
+def init_groups(*, shard_size: int | None = None, domain: str = "node") -> ShardGroups:
+    """Probe every rank, gather the cluster view, plan the groups and build them.
+
+    Collective over the default process group: every rank must call it with the same arguments.
+    Raises ``ValueError`` (on every rank alike, since every rank plans from the same view) when the
+    cluster cannot be tiled as asked.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "init_groups needs an initialised default process group: call "
+            "torch.distributed.init_process_group() first (under torchrun or `hybridshard launch`)"
+        )
+    from hybridshard.topology.probe import probe_rank  # psutil and NVML only when discovering
+
+    probe = probe_rank(rank=dist.get_rank(), world_size=dist.get_world_size())
+    device = local_device(probe)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    cluster = gather_cluster(probe)
+    plan = plan_groups(cluster, shard_size=shard_size, domain=domain)
+    for note in plan.notes:
+        if dist.get_rank() == 0:
+            logger.warning("group plan: %s", note)
+    return build_groups(plan, cluster=cluster, device=device)
+
+
+# -- from a DeviceMesh ---------------------------------------------------------------------------
+
+_HOW_TO_BUILD = (
+    "build it with torch.distributed.device_mesh.init_device_mesh(device_type, (replicate_size, shard_size), "
+    f"mesh_dim_names={MESH_DIM_NAMES!r}), or take hybridshard.init_groups().mesh"
+)
+
+
+def _from_mesh(mesh: Any) -> ShardGroups:
+    """See [Note: meshes in]."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh; got {type(mesh).__name__}. {_HOW_TO_BUILD}")
+    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        raise ValueError(
+            f"the mesh has shape {tuple(mesh.shape)} ({mesh.size()} ranks) but the job has {world} ranks; "
+            f"the mesh must cover every rank once: {_HOW_TO_BUILD}"
+        )
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"rank {dist.get_rank()} is not in the mesh {mesh.mesh.tolist()}; {_HOW_TO_BUILD}")
+    if mesh.ndim == 1:
+        if names == ("replicate",):
+            raise ValueError(
+                "a 1-D mesh named ('replicate',) asks for pure replication, but a 1-D mesh means 'shard over it'; "
+                "use strategy='NO_SHARD' for replication, or a 2-D mesh named "
+                f"{MESH_DIM_NAMES!r} ({_HOW_TO_BUILD})"
+            )
+        shard = mesh.get_group(0)
+        if shard is not dist.group.WORLD:  # a mesh over the whole job may reuse the default group
+            name_group(shard, "shard")
+        return ShardGroups(shard=shard, replicate=None, mesh=mesh)
+    if mesh.ndim != 2:
+        raise ValueError(
+            f"mesh must be 1-D (shard over it) or 2-D {MESH_DIM_NAMES!r}; got a {mesh.ndim}-D mesh of shape "
+            f"{tuple(mesh.shape)} named {names}. Slice the data-parallel part first (mesh['replicate', 'shard']) "
+            f"or {_HOW_TO_BUILD}"
+        )
+    if names != MESH_DIM_NAMES:
+        raise ValueError(f"a 2-D mesh must have mesh_dim_names={MESH_DIM_NAMES!r}; got {names}. {_HOW_TO_BUILD}")
+    shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
+    name_group(shard, "shard")
+    name_group(replicate, "replicate")
+    logger.debug("mesh %s: shard size %d, replicate size %d", mesh.mesh.tolist(), *reversed(tuple(mesh.shape)))
+    return ShardGroups(shard=shard, replicate=replicate, mesh=mesh)

@@ -1,0 +1,15 @@
+"""The flat-parameter runtime: what ``hybridshard.shard`` builds and what runs in every training step.
+
+- ``api``: :func:`hybridshard.shard` (arguments, groups per strategy), with ``model_check`` (every
+  rank shards the same model) and ``build`` (one unit's layout and storage, rank 0's values).
+- ``layout`` (pure metadata), ``flat_param`` (storage and views), ``unit`` (one unit's states),
+  ``changes`` (parameters changed while gathered), ``wrap`` (which modules become units),
+  ``strategy`` (strategies and mixed precision).
+- ``engine``: the runtime of one model (hooks, end of backward, ``no_sync``); ``prefetch``.
+- The gradient path: ``reduce`` (what is reduced where), ``overlap`` (the asynchronous executor),
+  ``compression`` (the compressed replicate all-reduce), ``grad_norm``.
+- Communication: ``collectives``, ``counters`` and ``stats`` (what was moved), ``faults`` (naming
+  lost ranks), ``agreement`` (the debug check) and ``position`` (where each rank is).
+
+docs/architecture.md draws one training step through these modules.
+"""

@@ -1,0 +1,179 @@
+"""``shard``: turn a model into flat-parameter units over the shard and replicate groups, in place."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hybridshard.runtime import agreement
+from hybridshard.runtime.build import broadcast_from_rank0, build_unit, distinct, rank0_shard_index
+from hybridshard.runtime.engine import Runtime, holds_sharded_module
+from hybridshard.runtime.model_check import check_devices, check_same_model
+from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
+from hybridshard.runtime.wrap import WrapPolicy, plan_units
+from hybridshard.topology.groups import ShardGroups, init_groups, name_group
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["shard"]
+
+
+def shard(
+    model: nn.Module,
+    *,
+    strategy: ShardingStrategy | str = ShardingStrategy.HYBRID_SHARD,
+    groups: Any = None,
+    mesh: Any = None,
+    wrap: WrapPolicy = None,
+    mixed_precision: MixedPrecision | None = None,
+    device: torch.device | str | None = None,
+    sync_module_states: bool = False,
+    debug: bool | None = None,
+    prefetch: int = 1,
+    overlap_grads: bool = True,
+    replicate_compression: str | None = None,
+) -> nn.Module:
+    """Shard ``model`` in place and return it.
+
+    ``strategy`` applies to the root unit and to every unit the ``wrap`` policy gives no strategy
+    of its own (see :mod:`hybridshard.runtime.wrap` for per-unit strategies). Units with a hybrid strategy
+    use ``groups``, a :class:`hybridshard.ShardGroups`; ``None`` means :func:`hybridshard.init_groups`
+    when any unit is hybrid. The other units always use the default group (FULL_SHARD /
+    SHARD_GRAD_OP shard over the whole job, NO_SHARD replicates over it), even when ``groups`` is
+    given. ``mesh`` is the alternative to ``groups``: a ``DeviceMesh``, 2-D with dims
+    ``("replicate", "shard")`` as FSDP2 takes it, or 1-D to shard over it (see [Note: meshes in] in
+    :mod:`hybridshard.topology.groups`); pass one of the two. Collective over the default group: every rank calls
+    it with the same model structure and arguments.
+
+    ``debug=True`` (or ``HYBRIDSHARD_DEBUG=1``) makes every collective of this process first check
+    that its group agrees on it, turning ranks that run different forwards/backwards into a
+    ``ValueError`` naming what each was doing; it costs one tiny all-gather per collective. See
+    :mod:`hybridshard.runtime.faults`.
+
+    Speed: ``prefetch`` is how many units are gathered ahead of the one computing, in forward and
+    backward (0 turns it off; see :mod:`hybridshard.runtime.prefetch`). ``overlap_grads`` leaves gradient
+    collectives running while backward goes on (see :mod:`hybridshard.runtime.overlap`); results are the same
+    either way. ``replicate_compression="bf16"`` or ``"int8"`` quantizes the hybrid units' all-reduce
+    across the replicate group (with error feedback; shard-group traffic stays exact), halving or
+    quartering the inter-node bytes at some gradient precision; see :mod:`hybridshard.runtime.compression`.
+    """
+    if not isinstance(overlap_grads, bool):
+        raise ValueError(f"overlap_grads must be True or False; got {overlap_grads!r}")
+    compressor = None
+    if replicate_compression is not None:
+        from hybridshard.runtime.compression import ReplicateCompressor, parse_compression
+
+        mode = parse_compression(replicate_compression)
+        compressor = ReplicateCompressor(mode) if mode is not None else None
+    if debug is not None:
+        agreement.set_debug(debug)
+    if not dist.is_initialized():
+        raise RuntimeError("shard needs an initialised default process group: call init_process_group() first")
+    if holds_sharded_module(model):
+        raise ValueError(
+            f"{type(model).__name__} (or one of its submodules) is already sharded; call shard() once, "
+            "on the whole model"
+        )
+    strategy = ShardingStrategy.parse(strategy)
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise ValueError(f"mixed_precision must be a hybridshard.MixedPrecision or None; got {mixed_precision!r}")
+    _check_low_precision_grads(mixed_precision, torch.Tensor)
+    specs = plan_units(model, wrap)
+    strategies = [spec.strategy or strategy for spec in specs]
+    by_strategy, groups = _resolve_groups(strategies, groups, mesh)
+    device = _resolve_device(device, groups)
+    check_devices(model, device)
+    plan = [(spec.name or "<root>", s.name) for spec, s in zip(specs, strategies)]
+    check_same_model(model, values=not sync_module_states, plan=plan)
+
+    runtime = Runtime(model, strategy, mixed_precision, device, prefetch=prefetch, overlap_grads=overlap_grads,
+                      compressor=compressor)
+    rank0_index: dict[int, int] = {}
+    if sync_module_states:
+        for used in distinct(by_strategy[s] for s in strategies):
+            rank0_index[id(used)] = rank0_shard_index(used)
+    units = [
+        build_unit(spec, s, by_strategy[s], mixed_precision, device, rank0_index.get(id(by_strategy[s])), runtime)
+        for spec, s in zip(specs, strategies)
+    ]
+    root_groups = by_strategy[strategies[0]]
+    for buf in model.buffers():
+        buf.data = buf.data.to(device)
+        if sync_module_states:
+            broadcast_from_rank0(buf.data, root_groups, rank0_index[id(root_groups)])
+    runtime.attach(units)
+    if logger.isEnabledFor(logging.INFO):
+        per_strategy = Counter(f"{u.strategy.name} ({u.groups.shard_size}x{u.groups.replicate_size})" for u in units)
+        logger.info("sharded %s: %d units on %s: %s", type(model).__name__, len(units), device, dict(per_strategy))
+    return model
+
+
+def _check_low_precision_grads(mp: MixedPrecision | None, tensor_type: type) -> None:
+    """``keep_low_precision_grads`` needs ``Tensor.grad_dtype``: a ``.grad`` whose dtype differs from its parameter's."""
+    if mp is None or not mp.keep_low_precision_grads or mp.param_dtype is None:
+        return
+    if not hasattr(tensor_type, "grad_dtype"):
+        raise ValueError(
+            "MixedPrecision(keep_low_precision_grads=True) leaves each .grad in param_dtype next to a "
+            f"full-precision parameter, which needs Tensor.grad_dtype; torch {torch.__version__} lacks it. "
+            "Upgrade torch, or use keep_low_precision_grads=False"
+        )
+
+
+def _resolve_groups(
+    strategies: Sequence[ShardingStrategy], groups: Any, mesh: Any = None
+) -> tuple[dict[ShardingStrategy, ShardGroups], ShardGroups | None]:
+    """The :class:`ShardGroups` of each strategy; strategies that communicate alike share one object.
+
+    Hybrid strategies use ``groups`` (or ``mesh``; :func:`init_groups` when neither is given); the
+    others always use the whole job (see :func:`hybridshard.shard`).
+    """
+    world = dist.get_world_size()
+    by_strategy: dict[ShardingStrategy, ShardGroups] = {}
+    hybrid: ShardGroups | None = None
+    if mesh is not None:
+        if groups is not None:
+            raise ValueError(
+                "pass either groups= or mesh=, not both; found both. Keep groups=init_groups() or "
+                "mesh=<DeviceMesh ('replicate', 'shard')> (init_groups().mesh is the same grid as a mesh)"
+            )
+        hybrid = ShardGroups.from_mesh(mesh)
+    elif any(s.is_hybrid for s in strategies):
+        hybrid = init_groups() if groups is None else groups
+        if not isinstance(hybrid, ShardGroups):
+            raise ValueError(f"groups must be a hybridshard.ShardGroups (from init_groups()); got {groups!r}")
+        if hybrid.world_size != world:
+            raise ValueError(
+                f"shard group size {hybrid.shard_size} x replicate group size {hybrid.replicate_size} = "
+                f"{hybrid.world_size}, but the job has {world} ranks; build the groups with "
+                "hybridshard.init_groups() (or a plan whose sizes multiply to the world size)"
+            )
+        for group, name in ((hybrid.shard, "shard"), (hybrid.replicate, "replicate")):
+            if group is not None:
+                name_group(group, name)
+    if hybrid is not None:
+        by_strategy[ShardingStrategy.HYBRID_SHARD] = by_strategy[ShardingStrategy.HYBRID_SHARD_ZERO2] = hybrid
+    by_strategy[ShardingStrategy.NO_SHARD] = ShardGroups.over_world(replicate=True)
+    by_strategy[ShardingStrategy.FULL_SHARD] = by_strategy[ShardingStrategy.SHARD_GRAD_OP] = ShardGroups.over_world()
+    return by_strategy, hybrid if hybrid is not None else groups
+
+
+def _resolve_device(device: torch.device | str | None, groups: Any) -> torch.device:
+    if device is None:
+        found = getattr(groups, "device", None)
+        if found is not None:
+            return torch.device(found)
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+

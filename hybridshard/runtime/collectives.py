@@ -1,0 +1,205 @@
+"""Every collective the runtime issues, as stateless functions that take their group explicitly.
+
+Each call is counted per ``(kind, group name)`` (see :mod:`hybridshard.runtime.counters`) so tests
+and benchmarks can check how many collectives a step issued and how many bytes crossed each group.
+A group of one rank, or ``None`` (no group; see [Note: None means no group] in
+:mod:`hybridshard.topology.groups`), needs no communication: the functions then copy locally and
+count nothing. The whole job is ``dist.group.WORLD``, always passed explicitly. A collective that
+fails raises a ``RuntimeError`` naming the group and the lost ranks (:mod:`hybridshard.runtime.faults`),
+and with ``HYBRIDSHARD_DEBUG=1`` each one first checks that its group agrees on it
+(:mod:`hybridshard.runtime.agreement`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from hybridshard.runtime import agreement, faults
+from hybridshard.runtime.counters import CollectiveCounts, record
+from hybridshard.topology.groups import group_name
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DONE", "Pending", "all_gather", "all_reduce", "all_to_all", "broadcast", "group_size", "reduce_scatter"]
+
+# Newer torch renames the tensor-in/tensor-out collectives; the semantics are the same.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in ``group``; ``None`` is no group, one rank (see [Note: None means no group])."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class Pending:
+    """A collective issued with ``async_op=True``: :meth:`wait` blocks until it finished (then runs
+    the local step that completes it, if any) and raises the named error if it failed."""
+
+    __slots__ = ("_work", "_kind", "_name", "_group", "_then", "_done")
+
+    def __init__(self, work: Any = None, kind: str = "", name: str = "", group: Any = None,
+                 then: Callable[[], None] | None = None) -> None:
+        self._work, self._kind, self._name, self._group, self._then = work, kind, name, group, then
+        self._done = work is None
+
+    def is_completed(self) -> bool:
+        return self._done or self._work is None or self._work.is_completed()
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        try:
+            self._work.wait()
+        except RuntimeError as err:
+            raise faults.collective_failed(self._kind, self._name, self._group, err) from err
+        self._done = True
+        self._work = None  # the work holds its input and output tensors: let them go now
+        if self._then is not None:
+            self._then()
+
+
+DONE = Pending()
+"""What an ``async_op=True`` call returns when it needed no communication."""
+
+
+def _run(
+    kind: str,
+    group: dist.ProcessGroup | None,
+    tensor: torch.Tensor,
+    collective: Callable[[bool], Any],
+    *,
+    stats: CollectiveCounts | None = None,
+    async_op: bool = False,
+    then: Callable[[], None] | None = None,
+) -> Pending | None:
+    """Count, optionally check agreement, then run ``collective(async_op)``; a failure names the group.
+
+    ``then`` is a local step that completes the collective (run after it, or by ``wait()``).
+    """
+    assert group is not None, f"{kind}: no group means no communication; see [Note: None means no group]"
+    name = group_name(group)
+    record(kind, name, group_size(group), tensor, stats)
+    logger.debug("%s on %s: %d bytes", kind, name, tensor.numel() * tensor.element_size())
+    try:
+        if agreement.enabled():
+            agreement.check(kind, name, group, tensor)
+        work = collective(async_op)
+    except RuntimeError as err:
+        raise faults.collective_failed(kind, name, group, err) from err
+    if async_op:
+        return Pending(work, kind, name, group, then)
+    if then is not None:
+        then()
+    return None
+
+
+def _local(async_op: bool) -> Pending | None:
+    return DONE if async_op else None
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, *,
+               stats: CollectiveCounts | None = None, async_op: bool = False) -> Pending | None:
+    """Concatenate every rank's ``shard`` into ``output`` (``group_size * shard.numel()`` elements)."""
+    if group_size(group) == 1:
+        output.copy_(shard)
+        return _local(async_op)
+    return _run("all_gather", group, shard, lambda a: _ALL_GATHER(output, shard, group=group, async_op=a),
+                stats=stats, async_op=async_op)
+
+
+# [Note: reduce-scatter on gloo]
+# gloo has no reduce-scatter of its own: ``reduce_scatter_tensor`` runs a full all-reduce and keeps
+# one chunk, so it sends twice the ring-minimum bytes. An ``all_to_all_single`` (chunk i to rank i)
+# followed by a local sum of the S received chunks sends exactly (S-1)/S of the input. In
+# benchmarks/collective_forms.py (4 gloo ranks on 2 shared CPUs, fp32, 64 KB to 16 MB per rank,
+# medians of 15 rounds in several runs) it took 0.3-0.8x the native time in groups of 4 and
+# 0.5-0.9x in groups of 2. A point-to-point ring (S-1 steps of isend/irecv) was slower up to 1 MB
+# (0.6-1.6x native) and faster only at 16 MB (0.42-0.59x against 0.45-0.80x), a gap that an
+# all-to-all into a reused receive buffer closed (0.35-0.51x): it is the cost of a fresh
+# full-size buffer, not of the pattern. The ring also cannot be issued asynchronously without a
+# thread, so CPU tensors on gloo take the all-to-all, with a buffer per call (a cache would hold a
+# full unit's gradient for good). Everything else (CUDA tensors on NCCL, other backends, shapes the
+# native call would reject) keeps ``reduce_scatter_tensor``.
+# The local sum runs in the input dtype, one rounding per addition, in the order gloo's ring
+# all-reduce adds (chunk c: rank c-1, then c-2, ..., then c itself), so a bf16 or fp32 result is the
+# native one bit for bit on almost every element; gloo orders tiny messages (a few elements per
+# rank) and segment boundaries otherwise, which differ by summation order only. Integer sums are
+# exact.
+
+
+def _sums_locally(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None, n: int) -> bool:
+    """Whether this reduce-scatter runs as an all-to-all plus a local sum; see [Note: reduce-scatter on gloo]."""
+    return (
+        full.device.type == "cpu"
+        and output.device.type == "cpu"
+        and output.dtype == full.dtype
+        and not full.dtype.is_complex
+        and full.dtype != torch.bool
+        and full.is_contiguous()
+        and output.is_contiguous()
+        and full.numel() == n * output.numel()
+        and "gloo" in str(dist.get_backend(group))
+    )
+
+
+def _sum_received(output: torch.Tensor, received: torch.Tensor, n: int, rank: int) -> None:
+    """``output = sum of the n chunks of received``, in gloo's ring order (see the Note)."""
+    chunks = received.view(n, -1)
+    with torch.no_grad():
+        output.view(-1).copy_(chunks[(rank - 1) % n])
+        for k in range(2, n + 1):
+            output.view(-1).add_(chunks[(rank - k) % n])
+
+
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None, *,
+                   stats: CollectiveCounts | None = None, async_op: bool = False) -> Pending | None:
+    """Sum ``full`` over the group and keep this rank's chunk in ``output``.
+
+    With ``async_op=True`` on gloo the local sum runs in ``wait()``: read ``output`` after it.
+    """
+    n = group_size(group)
+    if n == 1:
+        output.copy_(full)
+        return _local(async_op)
+    if not _sums_locally(output, full, group, n):
+        return _run("reduce_scatter", group, full,
+                    lambda a: _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=group, async_op=a),
+                    stats=stats, async_op=async_op)
+    # Counted as the reduce-scatter it is (input: the full tensor), not as an all-to-all.
+    received = torch.empty_like(full)
+    rank = dist.get_rank(group)
+    return _run("reduce_scatter", group, full,
+                lambda a: dist.all_to_all_single(received, full, group=group, async_op=a),
+                stats=stats, async_op=async_op, then=lambda: _sum_received(output, received, n, rank))
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM, *,
+               stats: CollectiveCounts | None = None, async_op: bool = False) -> Pending | None:
+    """Reduce ``tensor`` in place over the group (``op`` defaults to a sum)."""
+    if group_size(group) == 1:
+        return _local(async_op)
+    return _run("all_reduce", group, tensor, lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a),
+                stats=stats, async_op=async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, *,
+               stats: CollectiveCounts | None = None, async_op: bool = False) -> Pending | None:
+    """Send chunk ``i`` of ``input`` to the group's rank ``i``; chunk ``j`` of ``output`` comes from rank ``j``."""
+    if group_size(group) == 1:
+        output.copy_(input)
+        return _local(async_op)
+    return _run("all_to_all", group, input,
+                lambda a: dist.all_to_all_single(output, input, group=group, async_op=a),
+                stats=stats, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
+    """Copy global rank ``src``'s ``tensor`` to every member of the group."""
+    if group_size(group) == 1:
+        return
+    _run("broadcast", group, tensor, lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a))

@@ -1,0 +1,240 @@
+"""The sharded model's runtime: its units, the module hooks that drive them, and ``no_sync``.
+
+[Note: hook wiring]
+Forward pre-/post-hooks sit only on the outermost module of each unit (gathering is not
+idempotent, and hooks on nested modules would run it twice). The root unit is the model itself:
+its pre-hook runs first and casts floating inputs to ``param_dtype`` under mixed precision. The
+first backward hook of a step queues one engine callback that, once the whole backward is done,
+reduces what no gradient hook reduced (units whose parameters got no gradient this step) and
+frees every buffer still gathered.
+
+A backward that raises (an out-of-memory error in a skipped batch, say) never runs that callback.
+The next forward or backward notices (the callback is still marked queued, but for a backward that
+is no longer running), drops that backward's unreduced gradients, frees every buffer and returns
+every unit to ``IDLE``; gradients reduced before the error stay in ``.grad`` (zero them to skip
+the batch), and gradients held by ``no_sync`` from earlier micro-batches stay held.
+
+[Note: is the backward still running]
+The autograd engine keeps a graph task's final callbacks until the task ends, whether it finished
+or raised, and then drops them. So the runtime holds only a weak reference to the callback it
+queued: while that reference is alive, the backward that queued it is still running. Comparing
+graph-task ids would not do: reentrant activation checkpointing runs a *nested* backward (a new
+graph task) inside the running one, and its gradient hooks must not be mistaken for a new backward
+after an aborted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import weakref
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_map
+
+from hybridshard.runtime.counters import CollectiveCounts
+from hybridshard.runtime.overlap import GradReducer
+from hybridshard.runtime.position import where
+from hybridshard.runtime.prefetch import Pass, Prefetcher
+from hybridshard.runtime.reduce import SyncMode
+from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
+from hybridshard.runtime.unit import Unit
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Runtime", "get_runtime", "holds_sharded_module", "is_sharded", "no_sync"]
+
+_ATTR = "_hybridshard_runtime"
+
+
+class Runtime:
+    """Everything ``shard`` attached to one model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        strategy: ShardingStrategy,
+        mixed_precision: MixedPrecision | None,
+        device: torch.device,
+        *,
+        prefetch: int = 1,
+        overlap_grads: bool = True,
+        compressor: Any = None,
+    ) -> None:
+        self.model = model
+        self.strategy = strategy
+        """The model's strategy (the root unit's); each unit carries its own."""
+        self.mixed_precision = mixed_precision
+        self.device = device
+        self.units: list[Unit] = []
+        self.sync_mode = SyncMode.SYNC
+        self.in_backward = False
+        self._callback_queued = False
+        self._callback_ref: weakref.ref | None = None
+        self._handles: list[Any] = []
+        self.prefetch_depth = prefetch
+        self.prefetcher: Prefetcher | None = None
+        self.overlap_grads = overlap_grads
+        """Leave gradient collectives running through backward; see :mod:`hybridshard.runtime.overlap`."""
+        self.reducer = GradReducer()
+        self.compressor = compressor
+        """A :class:`~hybridshard.runtime.compression.ReplicateCompressor` for hybrid units, or ``None``."""
+        self.stats = CollectiveCounts()
+        """What the units' collectives moved; read by :func:`hybridshard.comm_stats`."""
+        self.steps = 0
+        """Backwards that reduced gradients (not inside ``no_sync``) since the stats were reset."""
+
+    @property
+    def root(self) -> Unit:
+        return self.units[0]
+
+    def is_root(self, unit: Unit) -> bool:
+        return unit is self.units[0]
+
+    def attach(self, units: Sequence[Unit]) -> None:
+        """Install the units and their hooks; see [Note: hook wiring]."""
+        self.units = list(units)
+        self.prefetcher = Prefetcher(self.units, self.prefetch_depth)
+        for index, unit in enumerate(self.units):
+            unit.index = index
+            is_root = unit is self.units[0]
+            self._handles.append(
+                unit.module.register_forward_pre_hook(self._make_pre_hook(unit, is_root), with_kwargs=True)
+            )
+            self._handles.append(unit.module.register_forward_hook(self._make_post_hook(unit)))
+        setattr(self.model, _ATTR, self)
+
+    def reset_stats(self) -> None:
+        """Zero the collective counts, the step count and every unit's hook times."""
+        self.stats.reset()
+        self.steps = 0
+        for unit in self.units:
+            unit.hook_seconds = unit.wait_seconds = 0.0
+
+    def _make_pre_hook(self, unit: Unit, is_root: bool):
+        param_dtype = self.mixed_precision.param_dtype if self.mixed_precision else None
+
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+            started = time.perf_counter()
+            if is_root and self._callback_queued and not self._backward_running():
+                self._recover_aborted_backward()
+            if is_root and not self.in_backward:
+                where.start_forward()
+                self.prefetcher.begin(Pass.FORWARD)
+            if not self.in_backward:
+                self.prefetcher.before_unit(Pass.FORWARD, unit)
+            unit.pre_forward()
+            unit.hook_seconds += time.perf_counter() - started
+            if is_root and param_dtype is not None and not self.in_backward:
+                cast = lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                return tree_map(cast, args), tree_map(cast, kwargs)
+            return None
+
+        return pre_hook
+
+    def _make_post_hook(self, unit: Unit):
+        def post_hook(module: nn.Module, args: tuple, output: Any):
+            started = time.perf_counter()
+            output = unit.post_forward(output)
+            if self.is_root(unit) and not self.in_backward:
+                self.prefetcher.end_forward()
+            unit.hook_seconds += time.perf_counter() - started
+            return output
+
+        return post_hook
+
+    def on_backward_hook(self) -> None:
+        """Called by every unit backward hook; the first one of a backward queues the final callback."""
+        if self._callback_queued and not self._backward_running():
+            self._recover_aborted_backward()
+        self.in_backward = True
+        where.phase = "backward" if self.sync_mode is SyncMode.SYNC else "no_sync backward"
+        if not self._callback_queued:
+            self.prefetcher.begin(Pass.BACKWARD)
+            callback = _FinishBackward(self)
+            self._callback_queued = True
+            self._callback_ref = weakref.ref(callback)
+            Variable._execution_engine.queue_callback(callback)
+
+    def _backward_running(self) -> bool:
+        """Whether the backward that queued the final callback is still running; see
+        [Note: is the backward still running]."""
+        return self._callback_ref is not None and self._callback_ref() is not None
+
+    def _recover_aborted_backward(self) -> None:
+        """Undo what a backward that raised left behind; see [Note: hook wiring]."""
+        logger.warning("an earlier backward did not finish (it raised?): freeing its gathered parameters")
+        self.reducer.abort()
+        for unit in self.units:
+            unit.abort_backward()
+        self.in_backward = False
+        self._callback_queued = False
+
+    def _finish_backward(self) -> None:
+        try:
+            for unit, shard in self.reducer.drain():
+                unit.flat.accumulate_grad_shard(shard)
+            for unit in reversed(self.units):
+                unit.finish_backward()
+            if self.sync_mode is SyncMode.SYNC:
+                self.steps += 1
+        finally:
+            self.in_backward = False
+            self._callback_queued = False
+            where.end_backward(synced=self.sync_mode is SyncMode.SYNC)
+
+
+class _FinishBackward:
+    """The engine callback that ends a backward (an object, so the runtime can hold a weak reference)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def __call__(self) -> None:
+        self.runtime._finish_backward()
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when ``model`` went through :func:`hybridshard.shard`."""
+    return getattr(model, _ATTR, None) is not None
+
+
+def holds_sharded_module(model: nn.Module) -> bool:
+    """True when ``model`` or any of its submodules went through :func:`hybridshard.shard`."""
+    return any(is_sharded(m) for m in model.modules())
+
+
+def get_runtime(model: nn.Module) -> Runtime:
+    runtime = getattr(model, _ATTR, None)
+    if runtime is None:
+        raise ValueError(
+            f"{type(model).__name__} is not sharded: call hybridshard.shard(model, ...) first and pass "
+            "the model it returned"
+        )
+    return runtime
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module, *, reduce_scatter: bool = False) -> Iterator[None]:
+    """Accumulate gradients over micro-batches; the first backward after the block reduces them all.
+
+    With ``reduce_scatter=False`` (the default) backward inside the block communicates nothing: each
+    unit keeps its unsharded gradient locally. With ``reduce_scatter=True`` every backward still
+    reduce-scatters inside the shard group (only gradient shards are kept, as in a normal step) and
+    only the all-reduce across the replicate group waits for the backward after the block, which
+    divides the cross-group traffic by the number of micro-batches. Either way the result equals
+    one backward over the concatenated micro-batches. What the block holds joins ``.grad`` at that
+    next backward; ``optimizer.zero_grad()`` before it does not clear it.
+    """
+    runtime = get_runtime(model)
+    if runtime.sync_mode is not SyncMode.SYNC:
+        raise ValueError("no_sync blocks do not nest: leave the open block first")
+    runtime.sync_mode = SyncMode.SHARD_ONLY if reduce_scatter else SyncMode.LOCAL
+    try:
+        yield
+    finally:
+        runtime.sync_mode = SyncMode.SYNC

@@ -1,0 +1,186 @@
+"""Storage of one unit's flat parameter: the sharded master, the unsharded buffer, views, gradient shards.
+
+Knows tensors and the :class:`~hybridshard.runtime.layout.FlatLayout`; knows nothing about hooks, states or
+process groups (the unit drives it, :mod:`hybridshard.runtime.collectives` moves bytes).
+
+[Note: two kinds of views]
+Between steps each original ``nn.Parameter`` holds, as ``.data``, a flattened view of the part of
+it inside this rank's master shard (possibly empty), so an optimizer built on ``model.parameters()``
+steps the shard in place. While a unit computes, its modules see views of the *unsharded* buffer
+instead, made from the autograd leaf ``unsharded`` so that every use of every view sends its
+gradient into one flat gradient. The unsharded leaf object lives as long as the unit; only its
+storage is allocated and freed, so the views saved by autograd in forward read the re-gathered
+values in backward. Collectives write through ``unsharded.data``, whose version counter is not
+shared with the leaf, so refilling the storage does not trip autograd's saved-tensor check.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from hybridshard.runtime.layout import FlatLayout
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FlatParam"]
+
+
+class FlatParam:
+    """One unit's parameters as a sharded master plus a gatherable flat buffer."""
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        params: Sequence[nn.Parameter],
+        full_flat: torch.Tensor,
+        *,
+        compute_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+    ) -> None:
+        assert len(params) == len(layout.slots) and full_flat.numel() == layout.padded_numel
+        self.layout = layout
+        self.params = tuple(params)
+        self.local = layout.local_slices()
+        start, end = layout.shard_range()
+        self.sharded = full_flat[start:end].clone()
+        self.compute_dtype = compute_dtype
+        self.grad_dtype = grad_dtype
+        # The leaf requires grad even when every parameter is frozen now: a parameter unfrozen after
+        # shard() must still get gradients (frozen views are cut from the graph in unsharded_views).
+        self.requires_grad = self.sharded.is_floating_point()
+        # A single-rank shard group computing in the master dtype needs no second copy: the
+        # "unsharded" buffer is the master itself and is never freed.
+        self.aliases_master = layout.shard_size == 1 and compute_dtype == self.sharded.dtype
+        self.unsharded = torch.empty(0, dtype=compute_dtype, device=self.sharded.device)
+        if self.aliases_master:
+            self.unsharded.data = self.sharded
+        else:
+            self.unsharded.data = torch.empty(layout.padded_numel, dtype=compute_dtype, device=self.sharded.device)
+            self._free_storage()
+        self.unsharded.requires_grad_(self.requires_grad)
+        self.sharded_grad: torch.Tensor | None = None
+        for p in self.params:
+            # keep_low_precision_grads: a bf16 .grad next to an fp32 parameter (checked in shard()).
+            if grad_dtype != self.sharded.dtype:  # frozen ones too: they may be unfrozen later
+                p.grad_dtype = grad_dtype
+        self.use_sharded_params()
+
+    # -- the sharded side ------------------------------------------------------------------------
+
+    def shard_view(self, i: int, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """Slot ``i``'s part of a shard-sized tensor (the master by default), flattened."""
+        part = self.local[i]
+        flat = self.sharded if flat is None else flat
+        return flat[part.shard_offset : part.shard_offset + part.numel]
+
+    def use_sharded_params(self) -> None:
+        """Point every original parameter's ``.data`` at its part of the master shard."""
+        for i, p in enumerate(self.params):
+            p.data = self.shard_view(i)
+
+    def master_versions(self) -> tuple[int, ...]:
+        """Version counters of the master and of each original parameter, in slot order.
+
+        An in-place change of the master bumps the master's counter when made on it directly and the
+        parameter's when made through an original parameter (``.data`` assignment gives a parameter
+        a counter of its own).
+        """
+        return (self.sharded._version, *(p._version for p in self.params))
+
+    def writeback_params(self) -> None:
+        """Copy into the master any parameter whose ``.data`` the user replaced since the last step.
+
+        A replacement of the wrong size cannot be placed and raises, naming the parameter.
+        """
+        for i, p in enumerate(self.params):
+            view = self.shard_view(i)
+            if p.data.data_ptr() == view.data_ptr() and p.data.shape == view.shape:
+                continue
+            if p.numel() != view.numel():
+                raise ValueError(
+                    f"parameter {self.layout.slots[i].name!r} was replaced by a tensor of {p.numel()} elements; "
+                    f"this rank holds {view.numel()} of its elements. Update sharded parameters in place "
+                    "(optimizer steps, copy_) or load a full state dict with hybridshard.load_full_state_dict"
+                )
+            logger.debug("writing back replaced parameter %s", self.layout.slots[i].name)
+            view.copy_(p.data.reshape(-1))
+            p.data = view
+
+    # -- the unsharded side ----------------------------------------------------------------------
+
+    @property
+    def is_allocated(self) -> bool:
+        return self.unsharded.untyped_storage().size() > 0
+
+    def alloc_storage(self) -> None:
+        storage = self.unsharded.untyped_storage()
+        nbytes = self.layout.padded_numel * self.unsharded.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def _free_storage(self) -> None:
+        self.unsharded.untyped_storage().resize_(0)
+
+    def free_storage(self) -> None:
+        if not self.aliases_master:
+            self._free_storage()
+
+    def gather_input(self) -> torch.Tensor:
+        """This rank's contribution to the all-gather: the master shard in the compute dtype."""
+        return self.sharded if self.sharded.dtype == self.compute_dtype else self.sharded.to(self.compute_dtype)
+
+    def unsharded_views(self) -> list[torch.Tensor]:
+        """One view of the unsharded buffer per slot; see [Note: two kinds of views]."""
+        views = []
+        detached = None
+        for slot, p in zip(self.layout.slots, self.params):
+            if p.requires_grad:
+                base = self.unsharded
+            else:  # frozen: no gradient flows to the flat buffer from this view
+                detached = self.unsharded.detach() if detached is None else detached
+                base = detached
+            views.append(base[slot.offset : slot.end].view(slot.shape))
+        return views
+
+    def local_chunk(self) -> torch.Tensor:
+        """This rank's chunk of the unsharded buffer (same elements as the master shard)."""
+        start, end = self.layout.shard_range()
+        return self.unsharded.detach()[start:end]
+
+    # -- gradient shards -------------------------------------------------------------------------
+
+    def accumulate_grad_shard(self, grad_shard: torch.Tensor) -> None:
+        """Add a reduced gradient shard to each parameter's ``.grad`` (a view of one flat shard)."""
+        grad_shard = grad_shard.to(self.grad_dtype)
+        current = self._existing_grad_shard()
+        if current is None:
+            self.sharded_grad = grad_shard
+        else:
+            current.add_(grad_shard)
+            self.sharded_grad = current
+        for i, p in enumerate(self.params):
+            if p.requires_grad:
+                p.grad = self.shard_view(i, self.sharded_grad)
+
+    def _existing_grad_shard(self) -> torch.Tensor | None:
+        """The flat gradient shard the parameters' ``.grad`` currently show, or ``None`` if all are unset.
+
+        Gradients the user replaced are copied in; gradients set to ``None`` count as zero.
+        """
+        trainable = [(i, p) for i, p in enumerate(self.params) if p.requires_grad]
+        if all(p.grad is None for _, p in trainable):
+            return None
+        flat = self.sharded_grad
+        if flat is None:
+            flat = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.sharded.device)
+        for i, p in trainable:
+            view = self.shard_view(i, flat)
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
+                view.copy_(p.grad.reshape(-1))
+        return flat

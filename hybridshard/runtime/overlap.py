@@ -1,0 +1,191 @@
+"""The asynchronous gradient path: reduce each unit's gradient while backward goes on.
+
+[Note: overlapped gradient reduction]
+A unit's post-backward hook hands its unsharded gradient to :class:`GradReducer` and returns, so the
+autograd engine moves on to the next unit's backward while the gradient travels:
+
+* the reduce-scatter inside the shard group is issued at once, asynchronously, by the hook's own
+  (main) thread, so every shard-group collective - prefetching all-gathers included - is issued in
+  the same order on every rank;
+* for a hybrid unit, what depends on that reduce-scatter (scale by 1/world, add what ``no_sync``
+  held, issue the all-reduce across the replicate group; a compressed one runs there to the end)
+  runs on one communication thread per process, in submission order. The thread moves on to the
+  next unit as soon as it issued an all-reduce, so each unsharded gradient is dropped as soon as its
+  reduce-scatter is done. During a backward only that thread touches replicate groups, so
+  their collectives too are issued in the same order everywhere; the inter-node all-reduce then
+  overlaps the backward compute of the units that come next.
+* a non-hybrid unit needs one collective (a reduce-scatter over the world, or an all-reduce for
+  NO_SHARD), which the hook issues asynchronously: the world group may be another unit's shard
+  group, so its collectives are only ever issued by the main thread. The thread just waits for it,
+  drops the unsharded gradient and scales the shard.
+
+:meth:`GradReducer.drain` runs in the end-of-backward callback, before any reduction the hooks did
+not start: it waits for every job in submission order and only then adds each reduced shard to
+``.grad``, on the main thread. So no gradient is read before its collectives finished, and the
+arithmetic is the synchronous path's, in the same order: the results are bitwise identical.
+The unsharded gradient of a unit stays alive until its reduce-scatter completed: the job holds it,
+and the next unit's post-backward hook waits for that reduce-scatter (it had the next unit's whole
+backward to finish) and drops it. So at most two unsharded gradients are alive at once, the one in
+flight and the one just computed, however far the thread lags.
+
+On CUDA the same order holds with streams in place of the thread: see docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+import torch
+
+from hybridshard.runtime import collectives as C
+from hybridshard.runtime import position
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GradJob", "GradReducer", "JobState"]
+
+Finish = Callable[[torch.Tensor], "tuple[torch.Tensor, C.Pending | None]"]
+"""What is left of a unit's reduction once its first collective is done: shard -> (shard, still running)."""
+
+
+class JobState(enum.Enum):
+    ISSUED = "issued"
+    """The first collective is in flight."""
+    SCATTERED = "scattered"
+    """The first collective is done: the unsharded gradient may go."""
+    REDUCED = "reduced"
+    """The thread's part is done; ``shard`` holds the reduced gradient shard once ``wait`` returns."""
+    FAILED = "failed"
+    """A collective raised; ``error`` holds it."""
+
+
+class GradJob:
+    """One unit's gradient between its post-backward hook and ``.grad``."""
+
+    def __init__(self, unit: Any, full: torch.Tensor, shard: torch.Tensor, first: C.Pending,
+                 finish: Finish) -> None:
+        self.unit = unit
+        self._where = position.snapshot()
+        self.full = full
+        """The unsharded gradient: the reduce-scatter reads it until it completes."""
+        self.shard = shard
+        self._first = first
+        self._finish = finish
+        self._last: C.Pending | None = None
+        self.state = JobState.ISSUED
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._scattered = threading.Event()
+
+    def run(self) -> None:
+        """On the communication thread: wait for the first collective, then do the rest."""
+        if self.state is not JobState.ISSUED:
+            return
+        try:
+            with position.working_for(self._where):
+                self._first.wait()
+                self._first = None
+                self.state = JobState.SCATTERED
+                self._scattered.set()
+                self.shard, self._last = self._finish(self.shard)
+            self.state = JobState.REDUCED
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread by wait()
+            self.error = err
+            self.state = JobState.FAILED
+        finally:
+            self._scattered.set()
+            self._done.set()
+
+    def release_full(self) -> None:
+        """Drop the unsharded gradient once the first collective no longer reads it (waits for that)."""
+        if self.full is not None:
+            self._scattered.wait()
+            self.full = None
+
+    def wait(self) -> torch.Tensor:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        if self._last is not None:
+            last, self._last = self._last, None
+            last.wait()
+        return self.shard
+
+
+class _Worker:
+    """The process's communication thread: runs queued jobs one at a time, in order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[GradJob] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="hybridshard-comm", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self._queue.get().run()
+
+    def put(self, job: GradJob) -> None:
+        self._queue.put(job)
+
+
+_WORKER: _Worker | None = None
+_WORKER_LOCK = threading.Lock()
+
+
+def _worker() -> _Worker:
+    global _WORKER
+    with _WORKER_LOCK:
+        if _WORKER is None:
+            _WORKER = _Worker()
+        return _WORKER
+
+
+class GradReducer:
+    """The jobs of one backward, in submission order; see [Note: overlapped gradient reduction]."""
+
+    def __init__(self) -> None:
+        self._jobs: list[GradJob] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._jobs)
+
+    def submit(self, unit: Any, full: torch.Tensor, shard: torch.Tensor, first: C.Pending, finish: Finish) -> None:
+        """Hand the communication thread a unit whose first collective (``first``) is in flight.
+
+        The thread waits for ``first``, drops ``full`` and runs ``finish``, whose collectives must be
+        on groups that only the thread uses during backward (the replicate groups). ``finish`` returns
+        the shard and, if it left one running, its last collective, which :meth:`drain` waits for.
+        """
+        for earlier in self._jobs:
+            # At most one unsharded gradient in flight besides this one: the previous unit's
+            # reduce-scatter had this unit's whole backward to finish. Dropped here, not on the
+            # thread, so the memory returns on the thread that took it.
+            earlier.release_full()
+        job = GradJob(unit, full, shard, first, finish)
+        self._jobs.append(job)
+        _worker().put(job)
+
+    def drain(self) -> list[tuple[Any, torch.Tensor]]:
+        """Wait for every job in order; ``(unit, reduced shard)`` for each. Raises the first failure
+        after every job ended, so no collective is left running."""
+        jobs, self._jobs = self._jobs, []
+        out, error = [], None
+        for job in jobs:
+            try:
+                out.append((job.unit, job.wait()))
+            except BaseException as err:  # noqa: BLE001 - re-raised below
+                error = error or err
+        if error is not None:
+            raise error
+        return out
+
+    def abort(self) -> None:
+        """After a backward that raised: let the jobs end and drop their results."""
+        try:
+            self.drain()
+        except Exception:  # noqa: BLE001 - the backward's own error is the one that matters
+            logger.warning("a gradient reduction of the aborted backward failed too", exc_info=True)

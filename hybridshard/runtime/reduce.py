@@ -1,0 +1,124 @@
+"""The gradient path of one unit: reduce-scatter in the shard group, all-reduce across replicas.
+
+[Note: hybrid gradient path]
+A unit's backward leaves one unsharded gradient in the flat leaf. It is cast to the reduce dtype,
+reduce-scattered inside the shard group (each rank keeps the summed chunk of its shard), divided
+by the number of ranks that computed it (``shard_size * replicate_size``), and all-reduced across
+the replicate group, so every replica ends with the same averaged shard. A shard group of one rank
+keeps its chunk of the gradient without a collective but still all-reduces across replicas.
+``no_sync`` changes what a backward does (:class:`SyncMode`): keep the unsharded gradient locally,
+or reduce-scatter and hold the shard, so that the next syncing backward reduces everything once.
+
+This module decides *what* is reduced, in which group and when; how the collectives are issued is
+the executor's business: synchronously here, or asynchronously through the runtime's
+:class:`~hybridshard.runtime.overlap.GradReducer` (see [Note: overlapped gradient reduction]).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any
+
+import torch
+
+from hybridshard.runtime import collectives as C
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GradReduction", "SyncMode"]
+
+
+class SyncMode(enum.Enum):
+    """How a backward reduces gradients (set by ``no_sync``)."""
+
+    SYNC = "sync"
+    """Reduce-scatter in the shard group, all-reduce across the replicate group."""
+    LOCAL = "local"
+    """Accumulate the unsharded gradient locally; no communication."""
+    SHARD_ONLY = "shard_only"
+    """Reduce-scatter every micro-batch; hold the cross-group all-reduce for the next SYNC backward."""
+
+
+class GradReduction:
+    """One unit's gradient reduction, and what ``no_sync`` holds for it between backwards."""
+
+    def __init__(self, unit: Any, runtime: Any) -> None:
+        self.unit = unit
+        self.runtime = runtime
+        self.pending_full: torch.Tensor | None = None
+        """Unsharded gradient accumulated by ``no_sync()`` backwards (``SyncMode.LOCAL``)."""
+        self.pending_shard: torch.Tensor | None = None
+        """Gradient shard reduce-scattered by ``no_sync(reduce_scatter=True)`` backwards."""
+
+    @property
+    def holds_gradient(self) -> bool:
+        return self.pending_full is not None or self.pending_shard is not None
+
+    def reduce(self, grad: torch.Tensor | None, mode: SyncMode, *, overlap: bool = False) -> None:
+        """Reduce one backward's unsharded gradient as ``mode`` says; see [Note: hybrid gradient path].
+
+        With ``overlap`` (SYNC backwards only) the collectives are issued and left running: the
+        runtime's :class:`~hybridshard.runtime.overlap.GradReducer` adds the result to ``.grad`` at
+        the end of backward. See [Note: overlapped gradient reduction] in :mod:`hybridshard.runtime.overlap`.
+        """
+        unit, runtime = self.unit, self.runtime
+        groups, flat, reduce_dtype = unit.groups, unit.flat, unit.reduce_dtype
+        layout = flat.layout
+        if grad is None:
+            grad = torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=flat.sharded.device)
+        elif grad.dtype != reduce_dtype:
+            grad = grad.to(reduce_dtype)
+        if self.pending_full is not None:
+            grad = grad + self.pending_full
+            self.pending_full = None
+        if mode is SyncMode.LOCAL:
+            self.pending_full = grad
+            return
+        overlap = overlap and mode is SyncMode.SYNC
+        held, self.pending_shard = self.pending_shard, None
+        hold = mode is SyncMode.SHARD_ONLY
+        stats = runtime.stats
+
+        def scale(shard: torch.Tensor) -> torch.Tensor:
+            # In place: the shard is this reduction's own buffer (a fresh reduce-scatter output, or
+            # a slice of the gradient autograd handed over), so nothing is allocated on the thread.
+            if groups.world_size > 1:
+                shard.div_(groups.world_size)
+            return shard if held is None else shard.add_(held)
+
+        def scale_and_replicate(shard: torch.Tensor) -> tuple[torch.Tensor, C.Pending | None]:
+            shard = scale(shard)
+            return shard, None if hold else self._replicate(shard, async_op=overlap)
+
+        if groups.shard_size > 1:
+            shard = torch.empty(layout.shard_numel, dtype=reduce_dtype, device=grad.device)
+            first = C.reduce_scatter(shard, grad, groups.shard, stats=stats, async_op=overlap)
+        else:
+            start, end = layout.shard_range()
+            shard, first = grad[start:end], C.DONE
+        if not overlap:
+            shard, _ = scale_and_replicate(shard)
+            if hold:
+                self.pending_shard = shard
+            else:
+                flat.accumulate_grad_shard(shard)
+            return
+        if not unit.strategy.is_hybrid and groups.shard_size == 1 and groups.replicate_size > 1:
+            # NO_SHARD: its one collective is on the world group, which the main thread issues.
+            shard = scale(shard)
+            first = C.all_reduce(shard, groups.replicate, stats=stats, async_op=True)
+            runtime.reducer.submit(unit, grad, shard, first, lambda s: (s, None))
+            return
+        runtime.reducer.submit(unit, grad, shard, first, scale_and_replicate)
+
+    def _replicate(self, shard: torch.Tensor, async_op: bool = False) -> C.Pending | None:
+        """All-reduce a scaled gradient shard across the replicate group (compressed if asked)."""
+        unit, runtime = self.unit, self.runtime
+        if unit.groups.replicate_size == 1:
+            return None
+        compressor = runtime.compressor
+        if compressor is not None and unit.strategy.is_hybrid:
+            compressor.all_reduce(shard, unit.groups.replicate, key=unit.index, stats=runtime.stats)
+            return None
+        return C.all_reduce(shard, unit.groups.replicate, stats=runtime.stats, async_op=async_op)

@@ -1,0 +1,279 @@
+"""One communication unit: a module's flat parameter, its two states, and its gradient reduction.
+
+[Note: unit states]
+``ShardedState`` says where the parameters are: ``SHARDED`` (only the master shard exists, modules
+hold the original parameters) or ``UNSHARDED`` (the flat buffer is gathered and the modules compute
+with views of it). ``TrainingState`` says what the unit is doing: ``IDLE``, ``FORWARD``,
+``PRE_BACKWARD`` (gathered for backward, waiting for its gradient) or ``POST_BACKWARD`` (gradient
+reduced this backward). Only the unit's own methods change them, and each asserts where it starts.
+
+Per step: pre-forward gathers (unless already gathered) and installs the views; post-forward of a
+ZeRO-3 unit frees the buffer and puts the parameters back; the gradient hook on the outputs gathers
+again before the unit's backward; the post-accumulate-grad hook on the flat leaf reduces the
+gradient and frees the buffer. ZeRO-2 units skip the free/gather pair and keep the *same views*
+installed from forward to the end of backward (no switch to sharded views and back), so between
+forward and backward a user sees unsharded parameters; changing one in that window raises.
+The root unit is never freed after forward: its backward starts right away.
+
+[Note: stale gathers]
+A unit that stays gathered after forward (the root, ZeRO-2 units) is normally freed by its backward.
+If the master shard changes while it is gathered (an optimizer step after a forward that had no
+backward, such as an evaluation forward outside ``no_grad``), the gathered values are stale. Every
+in-place change of the master bumps a version counter (see ``FlatParam.master_versions``), and the
+counters are recorded at each gather: a forward that reuses the gather gathers again when they
+moved, and a backward that would use it raises, naming the parameter, since its gradient would
+belong to values the parameter no longer has. The check runs only on those paths (a normal step
+starts sharded), and it is local: optimizer steps change the master on every rank alike.
+
+[Note: recomputation in backward]
+Activation checkpointing recomputes a unit's forward inside backward, in one of three forms, all
+supported: around the unit's call (``checkpoint(block, x)``, ``checkpoint_wrapper``, torchtitan),
+so the unit's forward hooks run again; inside the unit's ``forward`` (transformers'
+``gradient_checkpointing_enable``), so no hook of the unit runs; and reentrant
+(``use_reentrant=True``), whose recomputation runs a nested backward. In every form the gradient
+hook on the unit's outputs (or, reentrant around the unit, the forward pre-hook of the
+recomputation) gathers the buffer first and installs views of it, so the recomputed forward reads
+the gathered values; the views the original forward made stay the ones autograd sends gradients
+through (non-reentrant), or the recomputed views feed the nested backward (reentrant). Either way
+every gradient lands in the flat leaf and the post-accumulate-grad hook reduces it and frees the
+buffer again, once.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from hybridshard.runtime import collectives as C
+from hybridshard.runtime.changes import check_unchanged
+from hybridshard.runtime.flat_param import FlatParam
+from hybridshard.runtime.position import where
+from hybridshard.runtime.prefetch import Pass
+from hybridshard.runtime.reduce import GradReduction, SyncMode
+from hybridshard.runtime.strategy import ShardingStrategy
+from hybridshard.topology.groups import ShardGroups
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ShardedState", "TrainingState", "Unit"]
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    """A prefetch issued the all-gather; ``unshard`` waits for it (see :mod:`hybridshard.runtime.prefetch`)."""
+    UNSHARDED = "unsharded"
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+class Unit:
+    """One module's parameters, gathered and freed together."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        flat: FlatParam,
+        bindings: Sequence[Sequence[tuple[nn.Module, str]]],
+        *,
+        strategy: ShardingStrategy,
+        groups: ShardGroups,
+        reduce_dtype: torch.dtype,
+        runtime: Any,
+    ) -> None:
+        self.name = name or "<root>"
+        self.index = -1
+        """Position in the runtime's unit list (the root is 0); set by ``Runtime.attach``."""
+        self.module = module
+        self.flat = flat
+        self.bindings = tuple(tuple(b) for b in bindings)
+        """Per slot, every ``(module, attribute)`` that holds the parameter (tied ones hold it twice)."""
+        self.strategy = strategy
+        self.groups = groups
+        """The unit's own groups: hybrid units use the shard/replicate groups, the others the world."""
+        self.reshard_after_forward = strategy.reshard_after_forward
+        self.reduce_dtype = reduce_dtype
+        self.runtime = runtime
+        self.sharded_state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.views: list[torch.Tensor] | None = None
+        """The views of the unsharded buffer the modules hold while the unit computes, else ``None``."""
+        self.views_version = 0
+        """The unsharded buffer's version counter when the views were last known good."""
+        self.gathered_versions: tuple[int, ...] = ()
+        """The master's version counters at the last gather; see [Note: stale gathers]."""
+        self.reduction = GradReduction(self, runtime)
+        self._gathering: C.Pending | None = None
+        self.prefetched = False
+        """Gathered ahead by the prefetcher and not used yet."""
+        self.hook_seconds = 0.0
+        """Wall time spent in the runtime's hooks for this unit since the stats were reset."""
+        self.wait_seconds = 0.0
+        """The part of ``hook_seconds`` spent gathering (blocked on the all-gather)."""
+        if flat.requires_grad:
+            flat.unsharded.register_post_accumulate_grad_hook(self._post_backward)
+
+    # -- sharded state ---------------------------------------------------------------------------
+
+    def unshard(self) -> None:
+        self.prefetched = False
+        if self.sharded_state is ShardedState.UNSHARDED:
+            return
+        started = time.perf_counter()
+        if self.sharded_state is ShardedState.GATHERING:
+            pending, self._gathering = self._gathering, None
+            pending.wait()
+        else:
+            self.flat.alloc_storage()
+            self._gather()
+        self.sharded_state = ShardedState.UNSHARDED
+        self.wait_seconds += time.perf_counter() - started
+
+    def prefetch(self) -> bool:
+        """Issue this unit's all-gather without waiting for it; whether one was issued.
+
+        Only a sharded, idle unit is gathered ahead: one already gathered or in backward is left alone.
+        """
+        if self.sharded_state is not ShardedState.SHARDED or self.training_state is not TrainingState.IDLE:
+            return False
+        self.flat.alloc_storage()
+        self._gathering = self._gather(async_op=True)
+        self.sharded_state = ShardedState.GATHERING
+        self.prefetched = True
+        return True
+
+    def _gather(self, async_op: bool = False) -> C.Pending | None:
+        """Fill the allocated unsharded buffer from every rank's master shard."""
+        self.flat.writeback_params()
+        self.gathered_versions = self.flat.master_versions()
+        if self.flat.aliases_master or not self.flat.layout.slots:
+            return C.DONE  # nothing to gather: the master is the buffer, or the unit owns no parameter
+        if self.groups.shard_size > 1:
+            return C.all_gather(self.flat.unsharded.data, self.flat.gather_input(), self.groups.shard,
+                                stats=self.runtime.stats, async_op=async_op)
+        self.flat.unsharded.data.copy_(self.flat.sharded)
+        return C.DONE
+
+    def reshard(self) -> None:
+        if self.sharded_state is ShardedState.GATHERING:
+            self.unshard()  # the all-gather writes into the buffer: let it finish before freeing
+        if self.sharded_state is ShardedState.SHARDED:
+            return
+        self.prefetched = False
+        self._install_params()
+        self.flat.free_storage()
+        self.sharded_state = ShardedState.SHARDED
+
+    def _install_views(self) -> None:
+        assert self.sharded_state is ShardedState.UNSHARDED
+        # Views must be differentiable even when made inside backward (grad mode is off there),
+        # or a recomputation would save different tensors than the forward it replays.
+        with torch.enable_grad():
+            self.views = self.flat.unsharded_views()
+        for view, slots in zip(self.views, self.bindings):
+            for mod, attr in slots:
+                mod._parameters[attr] = view
+        self.views_version = self.flat.unsharded._version
+
+    def _install_params(self) -> None:
+        self.views = None
+        for p, slots in zip(self.flat.params, self.bindings):
+            for mod, attr in slots:
+                mod._parameters[attr] = p
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def pre_forward(self) -> None:
+        where.unit = self.index
+        if self.runtime.in_backward:
+            # Activation-checkpoint recomputation inside backward: compute with fresh views of
+            # the gathered buffer; leave the states to the backward hooks.
+            # See [Note: recomputation in backward].
+            self.unshard()
+            self._install_views()
+            return
+        if self.sharded_state is ShardedState.UNSHARDED and self.views is not None:
+            # Already gathered with views installed (ZeRO-2 / root after an earlier forward of
+            # this step): reuse them so every forward of the step feeds the same gradient.
+            # See [Note: stale gathers].
+            if self.flat.master_versions() != self.gathered_versions:
+                self._gather()
+            self.training_state = TrainingState.FORWARD
+            return
+        self.unshard()
+        self._install_views()
+        self.training_state = TrainingState.FORWARD
+
+    def post_forward(self, output: Any) -> Any:
+        if self.runtime.in_backward:
+            return output
+        self.training_state = TrainingState.IDLE
+        if not torch.is_grad_enabled():
+            self.reshard()
+            return output
+        if self.reshard_after_forward and not self.runtime.is_root(self):
+            self.reshard()
+        else:
+            self.views_version = self.flat.unsharded._version
+        tensors, _ = tree_flatten(output)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._pre_backward)
+        return output
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        self.runtime.on_backward_hook()
+        where.unit = self.index
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return
+        started = time.perf_counter()
+        if self.sharded_state is ShardedState.UNSHARDED:
+            check_unchanged(self)
+        self.runtime.prefetcher.before_unit(Pass.BACKWARD, self)
+        self.unshard()
+        if self.views is None:
+            # See [Note: recomputation in backward]: checkpointing inside the unit's forward reads
+            # the module attributes again, with no forward hook of ours around it.
+            self._install_views()
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.hook_seconds += time.perf_counter() - started
+
+    def _post_backward(self, leaf: torch.Tensor) -> None:
+        assert self.training_state is not TrainingState.POST_BACKWARD, f"unit {self.name}: second post-backward"
+        self.runtime.on_backward_hook()
+        where.unit = self.index
+        started = time.perf_counter()
+        grad = leaf.grad
+        leaf.grad = None
+        self.reduction.reduce(grad, self.runtime.sync_mode, overlap=self.runtime.overlap_grads)
+        self.reshard()
+        self.training_state = TrainingState.POST_BACKWARD
+        self.hook_seconds += time.perf_counter() - started
+
+    def finish_backward(self) -> None:
+        """End of backward: reduce what no hook reduced, free the buffer, go back to IDLE."""
+        if self.training_state is not TrainingState.POST_BACKWARD and self.runtime.sync_mode is SyncMode.SYNC:
+            if self.reduction.holds_gradient:
+                self.reduction.reduce(None, SyncMode.SYNC)
+        self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    def abort_backward(self) -> None:
+        """After a backward that raised: drop its unreduced gradient, free the buffer, go back to IDLE."""
+        self.flat.unsharded.grad = None
+        self.reshard()
+        self.training_state = TrainingState.IDLE
