@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hybridshard as hs
-from hybridshard.bench.model import GPT, Block  # one GPT for this example and `hybridshard bench`
+from model import GPT, Block  # examples/model.py, next to this script
 
 
 def global_batch(step: int, args: argparse.Namespace) -> torch.Tensor:

@@ -6,22 +6,24 @@ replicated across domains. The groups come from :func:`init_groups`, which probe
 gathers the probes and plans the shard and replicate groups (see :mod:`topology`).
 """
 
+# Groups (topology/groups.py)
 from hybridshard.topology.groups import ShardGroups, init_groups
 
-# -- runtime exports (flat-parameter runtime) --------------------------------------------------
+# The runtime (hybridshard/runtime/)
+from hybridshard.runtime.api import shard
 from hybridshard.runtime.counters import count_collectives
-from hybridshard.runtime.stats import comm_stats
+from hybridshard.runtime.engine import no_sync
 from hybridshard.runtime.grad_norm import clip_grad_norm_
 from hybridshard.runtime.layout import FlatLayout
-from hybridshard.runtime.engine import no_sync
-from hybridshard.runtime.api import shard
-from hybridshard.state.full import full_state_dict, load_full_state_dict
-from hybridshard.state.checkpoint import SaveResult, latest_checkpoint, load_checkpoint, save_checkpoint
-from hybridshard.state.optim import full_optim_state_dict, load_full_optim_state_dict
-from hybridshard.state.replicas import ReplicaDivergence, check_replicas, maybe_check_replicas
+from hybridshard.runtime.stats import comm_stats
 from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.runtime.unit import ShardedState, TrainingState
-# -- end runtime exports ----------------------------------------------------------------------
+
+# State in and out (hybridshard/state/)
+from hybridshard.state.checkpoint import SaveResult, latest_checkpoint, load_checkpoint, save_checkpoint
+from hybridshard.state.full import full_state_dict, load_full_state_dict
+from hybridshard.state.optim import full_optim_state_dict, load_full_optim_state_dict
+from hybridshard.state.replicas import ReplicaDivergence, check_replicas, maybe_check_replicas
 
 __version__ = "0.1.0"
 

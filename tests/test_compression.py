@@ -48,7 +48,7 @@ def _groups() -> dict:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     singles = [dist.new_group([r]) for r in range(WORLD)]
     G.name_group(pairs[rank // 2], "pairs")
-        _GROUPS.update(world=dist.group.WORLD, pairs=pairs[rank // 2], single=singles[rank])
+    _GROUPS.update(world=dist.group.WORLD, pairs=pairs[rank // 2], single=singles[rank])
     return _GROUPS
 
 

@@ -1,7 +1,8 @@
 """The benchmark's model: a GPT-style decoder (pre-norm blocks, tied head) and its synthetic data.
 
-It is the model of ``examples/train_gpt.py``: every system builds it from the same seed, so they all
-start from the same weights, and every system's ``k``-th step sees the same batch.
+It has the architecture of the example's model (``examples/model.py``), so benchmark figures speak
+for the example. Every system builds it from the same seed, so they all start from the same
+weights, and every system's ``k``-th step sees the same batch.
 """
 
 from __future__ import annotations

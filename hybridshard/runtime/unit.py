@@ -1,4 +1,7 @@
-"""One communication unit: a module's flat parameter, its two states, and its gradient reduction.
+"""One communication unit: a module's flat parameter, its two states, its views, and the per-step
+transitions that the runtime's hooks (:mod:`hybridshard.runtime.engine`) drive. What happens to its
+gradient is :mod:`hybridshard.runtime.reduce`; a parameter changed while it stays gathered is found
+by :mod:`hybridshard.runtime.changes`.
 
 [Note: unit states]
 ``ShardedState`` says where the parameters are: ``SHARDED`` (only the master shard exists, modules
