@@ -340,7 +340,7 @@ def test_flat_ranges_as_boxes_and_incomplete_checkpoints(tmp_path):
 
 
 def test_save_logs_each_rank_progress_and_the_bytes_it_wrote(tmp_path, caplog, monkeypatch):
-    """See [Note: save progress] in hybridshard/checkpoint_progress.py (one plain process here)."""
+    """See [Note: save progress] in hybridshard/state/progress.py (one plain process here)."""
     from hybridshard.state import progress as CP
 
     monkeypatch.setattr(CP, "PROGRESS_INTERVAL_S", 0.0)

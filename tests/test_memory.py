@@ -6,7 +6,7 @@ Counted as in [Note: counting live tensor bytes] (tests/live_bytes.py), per rank
 * every storage an op allocates on the main thread (the dispatch mode);
 * the unsharded buffers, which ``FlatParam.alloc_storage``/``free_storage`` grow and shrink with
   ``untyped_storage().resize_()`` outside any op: both are wrapped here and enter the same timeline;
-* the communication thread (``hybridshard-comm``, see hybridshard/overlap.py), which the mode
+* the communication thread (``hybridshard-comm``, see hybridshard/runtime/overlap.py), which the mode
   entered on the main thread does not see: every job it runs is wrapped in a mode of its own, and
   the test asserts that it allocated nothing (it scales in place);
 * what exists before the step (master shards, AdamW state, buffers still gathered), added as a

@@ -31,7 +31,7 @@ worker too) needs two things from the rendezvous that the defaults do not give:
   publishes a new free port every round and rank 0's worker hosts a new store there, so every
   attempt starts from an empty store; the launcher sets it whenever workers can restart. The cost:
   that store lives in rank 0's process, so when rank 0 is the rank that died its peers cannot read
-  each other's fault reports (see [Note: naming the lost rank] in ``hybridshard/faults.py``).
+  each other's fault reports (see [Note: naming the lost rank] in ``hybridshard/runtime/faults.py``).
 """
 
 from __future__ import annotations
