@@ -1,8 +1,9 @@
 """One rank of a fault scenario, run as a plain process per rank by ``tests/test_faults.py``.
 
 Trains the runtime tests' model for a few steps; at step 1 rank 1 misbehaves as the scenario says.
-Every rank prints one ``RESULT {json}`` line: what it ended with, and how many seconds after the
-misbehaviour. An uncaught error then exits non-zero, as in a real job.
+Every rank prints one ``RESULT {json}`` line: what it ended with, how many seconds after the
+misbehaviour, and whether its weights still equal those after the last complete step. An uncaught
+error then exits non-zero, as in a real job.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hybridshard as hs  # noqa: E402
 from tests import runtime_models as RM  # noqa: E402
 
-SCENARIOS = ("kill", "raise", "zero2_one_rank", "extra_forward", "extra_forward_debug")
+SCENARIOS = (
+    "kill", "raise", "zero2_one_rank", "extra_forward", "extra_forward_debug", "extra_forward_unchecked",
+    "skip_backward", "skip_step", "reverse_order", "one_rank_collective",
+)
 
 
 def main() -> None:
@@ -36,41 +40,62 @@ def main() -> None:
     rank = dist.get_rank()
     torch.set_num_threads(1)
     strategy = "HYBRID_SHARD_ZERO2" if scenario == "zero2_one_rank" else "HYBRID_SHARD"
-    model = RM.make_model()
+    model = RM.make_model(num_blocks=3)
     hs.shard(model, strategy=strategy, groups=hs.init_groups(), wrap={RM.Block},
-             debug=scenario == "extra_forward_debug")
+             debug=scenario == "extra_forward_debug", check_steps=scenario != "extra_forward_unchecked")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     t0 = None
+    state = {"saved": _weights(opt)}
     try:
         for step in range(3):
             opt.zero_grad()
             tokens = RM.batch(step, 0, rank, 2)
             bad = step == 1 and rank == 1
+            if step == 1:
+                t0 = time.monotonic()
+            if step == 1 and scenario == "one_rank_collective":
+                if rank == 0:
+                    hs.full_state_dict(model)  # a collective on rank 0 only: the others never join
+                else:
+                    time.sleep(float(os.environ.get("FAULT_SLEEP", "12")))  # "evaluating" outside any collective
+                break
+            if bad and scenario == "skip_step":
+                continue  # the whole step, forward included
             if bad and scenario.startswith("extra_forward"):
                 with hs.no_sync(model):  # one micro-batch more than the other ranks
                     RM.lm_loss(model(tokens), tokens).backward()
-            if step == 1:
-                t0 = time.monotonic()
+            if bad and scenario == "reverse_order":
+                model.blocks = torch.nn.ModuleList(reversed(list(model.blocks)))  # a data-dependent branch
             loss = RM.lm_loss(model(tokens), tokens)
             if bad and scenario == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if bad and scenario == "raise":
                 raise ValueError("a bad batch on rank 1")
+            if bad and scenario == "skip_backward":
+                continue  # a non-finite loss, say: skipped after its forward
             if bad and scenario == "zero2_one_rank":
                 with torch.no_grad():
                     model.blocks[0].fc1.weight.add_(1.0)
             loss.backward()
             opt.step()
+            state["saved"] = _weights(opt)
     except Exception as err:  # noqa: BLE001 - report, then fail as a real job would
-        _report("error", err, t0)
+        _report("error", err, t0, opt, state["saved"])
         raise
-    _report("ok", None, t0)
+    _report("ok", None, t0, opt, state["saved"])
 
 
-def _report(outcome: str, err: BaseException | None, t0: float | None) -> None:
+def _weights(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's weights: the optimizer's parameters (the master shards, also mid-step)."""
+    return [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+
+
+def _report(outcome: str, err: BaseException | None, t0: float | None, opt, saved) -> None:
     seconds = time.monotonic() - t0 if t0 is not None else 0.0
+    unchanged = all(torch.equal(a, b) for a, b in zip(_weights(opt), saved))
     record = {"rank": dist.get_rank(), "outcome": outcome, "seconds": round(seconds, 2),
-              "type": type(err).__name__ if err else None, "message": str(err) if err else None}
+              "type": type(err).__name__ if err else None, "message": str(err) if err else None,
+              "weights_unchanged": unchanged}
     print("RESULT " + json.dumps(record), flush=True)
 
 

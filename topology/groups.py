@@ -60,7 +60,10 @@ from hybridshard.topology.records import ClusterView, RankProbe
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MESH_DIM_NAMES", "ShardGroups", "build_groups", "group_name", "init_groups", "local_device", "name_group"]
+__all__ = [
+    "MESH_DIM_NAMES", "ShardGroups", "build_groups", "collective_device", "group_name", "group_ranks", "init_groups", "local_device",
+    "name_group",
+]
 
 MESH_DIM_NAMES = ("replicate", "shard")
 
@@ -80,6 +83,22 @@ def group_name(group: dist.ProcessGroup | None) -> str:
     if found is not None:
         return found
     return "world" if group is dist.group.WORLD else f"group@{id(group):x}"
+
+
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """Global ranks of ``group``: this rank alone for ``None`` (no group), every rank for the world."""
+    if group is None:
+        return [dist.get_rank()]
+    if group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
+
+
+def collective_device() -> torch.device:
+    """The device the default group communicates from: the current GPU under NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:

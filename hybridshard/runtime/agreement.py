@@ -1,4 +1,20 @@
-"""The opt-in check that every rank of a group is about to issue the same collective.
+"""Checks that the ranks are doing the same thing: one small check per forward and per backward (on
+by default), and the opt-in check of every collective.
+
+[Note: step check]
+Ranks that run a different number of forwards or backwards, a different ``no_sync`` pattern, or
+units in a different order (a data-dependent branch, so that prefetching gathers other units) issue
+collectives that pair up by order: same-size ones silently mix unrelated tensors, the others fail
+or hang. Each forward (at the root's pre-hook, before any gather) and each backward (at its first
+hook, before any gather or reduction) all-gathers a fingerprint over the whole job: which pass, the
+step (syncing backwards so far), the forwards in this step, the ``no_sync`` mode, the number of
+units and a digest of the unit orders recorded so far. The checks always pair with each other (a
+forward's with a backward's when one rank ran an extra forward), so a difference raises a
+``ValueError`` on every rank, naming what each was doing, before any gradient is reduced: no weight
+changes. A rank that skipped a whole step (forward included) cannot be told apart from the others
+until it finishes early; see [Note: finishing together] in :mod:`hybridshard.runtime.exits`. Cost:
+two all-gathers of a few integers per step (docs/runtime.md has the measured figure);
+``shard(..., check_steps=False)`` turns it off.
 
 [Note: debug agreement check]
 Ranks that run a different number of forwards or backwards in a step, or a different ``no_sync``
@@ -19,13 +35,16 @@ import os
 import torch
 import torch.distributed as dist
 
-from hybridshard.runtime import faults
+from hybridshard.runtime import faults, watchdog
 from hybridshard.runtime.position import PHASES, current_where
+from hybridshard.topology.groups import collective_device, group_ranks
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check", "enabled", "set_debug"]
+__all__ = ["check", "check_step", "enabled", "set_debug"]
 
+# Newer torch renames the tensor-in/tensor-out all-gather; the semantics are the same.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _DEBUG = {"on": os.environ.get("HYBRIDSHARD_DEBUG", "") not in ("", "0")}
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8)
@@ -50,11 +69,11 @@ def check(kind: str, group_label: str, group: dist.ProcessGroup, tensor: torch.T
     )
     size = dist.get_world_size(group)
     everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=tensor.device)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    _ALL_GATHER(everyone, mine, group=group)
     rows = everyone.view(size, -1).tolist()
     if all(row == rows[0] for row in rows):
         return
-    ranks = faults.group_ranks(group)
+    ranks = group_ranks(group)
     described = "; ".join(
         f"rank {r}: {_KINDS[k]} of {n} elements at step {s}, forward {f}, {PHASES[p]}, unit {u}"
         for r, (k, n, _, s, f, p, u) in zip(ranks, rows)
@@ -64,5 +83,59 @@ def check(kind: str, group_label: str, group: dist.ProcessGroup, tensor: torch.T
         "the same number of forwards and backwards per step, with the same no_sync blocks and the same "
         "units taking part; look for a data-dependent branch or a micro-batch count that differs by rank"
     )
-    faults.announce(message)  # ranks outside this group learn it when their own collectives fail
-    raise ValueError(message)
+    error = ValueError(message)
+    faults.announce(error)  # ranks outside this group learn it when their own collectives fail
+    raise error
+
+
+_PASSES = ("forward", "backward")
+_MODES = ("sync", "local", "shard_only")
+
+
+def check_step(pass_name: str, *, mode: str, num_units: int, order_digest: int) -> None:
+    """All-gather this rank's step fingerprint over the job and raise if the ranks differ; see [Note: step check]."""
+    w = current_where()
+    mine = torch.tensor(
+        [_PASSES.index(pass_name), w.step, w.forward, _MODES.index(mode), num_units, order_digest],
+        dtype=torch.int64,
+        device=collective_device(),
+    )
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=mine.device)
+    token = watchdog.begin("step check", "world", dist.group.WORLD, mine.numel())
+    try:
+        _ALL_GATHER(everyone, mine, async_op=True).wait()  # the default group: the whole job
+    except RuntimeError as err:
+        raise faults.collective_failed("step check (all_gather)", "world", dist.group.WORLD, err) from err
+    finally:
+        watchdog.end(token)
+    rows = everyone.view(world, -1).tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    groups: dict[tuple, list[int]] = {}
+    for rank, row in enumerate(rows):
+        groups.setdefault(tuple(row), []).append(rank)
+    majority = max(groups.values(), key=len)
+    odd = [r for r in range(world) if r not in majority] or majority
+    described = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {ranks}: {_describe(row)}"
+                          for row, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]))
+    message = (
+        f"rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} {'are' if len(odd) > 1 else 'is'} out of step "
+        f"with the others: {described}. Every rank must run the same forwards and backwards per step, with the "
+        "same no_sync blocks and the same units in the same order; look for a batch skipped on some ranks after "
+        "its forward, a data-dependent branch, or a micro-batch count that differs by rank. No gradient of this "
+        "step was reduced"
+    )
+    error = ValueError(message)
+    faults.announce(error)
+    raise error
+
+
+def _describe(row: list[int]) -> str:
+    pass_code, step, forward, mode, num_units, digest = row
+    what = f"forward {forward} of step {step}" if pass_code == 0 else f"backward of step {step} after {forward} forward(s)"
+    extra = "" if mode == 0 else f", inside no_sync ({_MODES[mode]})"
+    return f"{what}{extra}, {num_units} units, unit order #{digest:08x}"
+

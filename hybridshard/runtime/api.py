@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hybridshard.runtime import agreement
+from hybridshard.runtime import agreement, exits, watchdog
 from hybridshard.runtime.build import broadcast_from_rank0, build_unit, distinct, rank0_shard_index
 from hybridshard.runtime.engine import Runtime, holds_sharded_module
 from hybridshard.runtime.model_check import check_devices, check_same_model
@@ -37,6 +37,7 @@ def shard(
     prefetch: int = 1,
     overlap_grads: bool = True,
     replicate_compression: str | None = None,
+    check_steps: bool = True,
 ) -> nn.Module:
     """Shard ``model`` in place and return it.
 
@@ -50,10 +51,12 @@ def shard(
     :mod:`hybridshard.topology.groups`); pass one of the two. Collective over the default group: every rank calls
     it with the same model structure and arguments.
 
-    ``debug=True`` (or ``HYBRIDSHARD_DEBUG=1``) makes every collective of this process first check
-    that its group agrees on it, turning ranks that run different forwards/backwards into a
-    ``ValueError`` naming what each was doing; it costs one tiny all-gather per collective. See
-    :mod:`hybridshard.runtime.faults`.
+    ``check_steps`` (on by default) compares every rank's step before each forward and backward, so
+    ranks that run different forwards/backwards, ``no_sync`` blocks or unit orders raise a
+    ``ValueError`` on every rank before any gradient is reduced; it costs two all-gathers of a few
+    integers per step (see [Note: step check] in :mod:`hybridshard.runtime.agreement`).
+    ``debug=True`` (or ``HYBRIDSHARD_DEBUG=1``) also checks every collective, naming the unit and
+    collective where ranks part; it costs one tiny all-gather per collective.
 
     Speed: ``prefetch`` is how many units are gathered ahead of the one computing, in forward and
     backward (0 turns it off; see :mod:`hybridshard.runtime.prefetch`). ``overlap_grads`` leaves gradient
@@ -62,8 +65,9 @@ def shard(
     across the replicate group (with error feedback; shard-group traffic stays exact), halving or
     quartering the inter-node bytes at some gradient precision; see :mod:`hybridshard.runtime.compression`.
     """
-    if not isinstance(overlap_grads, bool):
-        raise ValueError(f"overlap_grads must be True or False; got {overlap_grads!r}")
+    for flag, value in (("overlap_grads", overlap_grads), ("check_steps", check_steps)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{flag} must be True or False; got {value!r}")
     compressor = None
     if replicate_compression is not None:
         from hybridshard.runtime.compression import ReplicateCompressor, parse_compression
@@ -92,7 +96,7 @@ def shard(
     check_same_model(model, values=not sync_module_states, plan=plan)
 
     runtime = Runtime(model, strategy, mixed_precision, device, prefetch=prefetch, overlap_grads=overlap_grads,
-                      compressor=compressor)
+                      compressor=compressor, check_steps=check_steps)
     rank0_index: dict[int, int] = {}
     if sync_module_states:
         for used in distinct(by_strategy[s] for s in strategies):
@@ -107,6 +111,8 @@ def shard(
         if sync_module_states:
             broadcast_from_rank0(buf.data, root_groups, rank0_index[id(root_groups)])
     runtime.attach(units)
+    watchdog.start()
+    exits.install()
     if logger.isEnabledFor(logging.INFO):
         per_strategy = Counter(f"{u.strategy.name} ({u.groups.shard_size}x{u.groups.replicate_size})" for u in units)
         logger.info("sharded %s: %d units on %s: %s", type(model).__name__, len(units), device, dict(per_strategy))

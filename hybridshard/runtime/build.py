@@ -13,11 +13,10 @@ from hybridshard.runtime import collectives as C
 from hybridshard.runtime.engine import Runtime
 from hybridshard.runtime.flat_param import FlatParam
 from hybridshard.runtime.layout import FlatLayout
-from hybridshard.runtime.model_check import collective_device
 from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.runtime.unit import Unit
 from hybridshard.runtime.wrap import UnitSpec
-from hybridshard.topology.groups import ShardGroups
+from hybridshard.topology.groups import ShardGroups, collective_device
 
 logger = logging.getLogger(__name__)
 

@@ -68,5 +68,6 @@ def _raise(unit: Any, name: str, how: str) -> None:
         "change would be lost or corrupt the gradient. Change parameters only after backward (e.g. in the "
         "optimizer step), or use FULL_SHARD / HYBRID_SHARD for the unit"
     )
-    faults.announce(message)
-    raise RuntimeError(message)
+    error = RuntimeError(message)
+    faults.announce(error)
+    raise error

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hybridshard.runtime import agreement, faults
+from hybridshard.runtime import agreement, faults, watchdog
 from hybridshard.runtime.counters import CollectiveCounts, record
 from hybridshard.topology.groups import group_name
 
@@ -40,12 +40,14 @@ class Pending:
     """A collective issued with ``async_op=True``: :meth:`wait` blocks until it finished (then runs
     the local step that completes it, if any) and raises the named error if it failed."""
 
-    __slots__ = ("_work", "_kind", "_name", "_group", "_then", "_done")
+    __slots__ = ("_work", "_kind", "_name", "_group", "_then", "_done", "_token")
 
     def __init__(self, work: Any = None, kind: str = "", name: str = "", group: Any = None,
-                 then: Callable[[], None] | None = None) -> None:
+                 then: Callable[[], None] | None = None, token: int | None = None) -> None:
         self._work, self._kind, self._name, self._group, self._then = work, kind, name, group, then
         self._done = work is None
+        self._token = token
+        """This collective in the watchdog's registry (see [Note: hang report])."""
 
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()
@@ -56,7 +58,10 @@ class Pending:
         try:
             self._work.wait()
         except RuntimeError as err:
+            watchdog.end(self._token)
             raise faults.collective_failed(self._kind, self._name, self._group, err) from err
+        if self._work.is_completed():  # on NCCL the device may still run it: the watchdog polls it
+            watchdog.end(self._token)
         self._done = True
         self._work = None  # the work holds its input and output tensors: let them go now
         if self._then is not None:
@@ -85,16 +90,24 @@ def _run(
     name = group_name(group)
     record(kind, name, group_size(group), tensor, stats)
     logger.debug("%s on %s: %d bytes", kind, name, tensor.numel() * tensor.element_size())
-    try:
-        if agreement.enabled():
+    if agreement.enabled():
+        try:
             agreement.check(kind, name, group, tensor)
-        work = collective(async_op)
+        except RuntimeError as err:
+            raise faults.collective_failed(kind, name, group, err) from err
+    token = watchdog.begin(kind, name, group, tensor.numel())
+    try:
+        # Issued asynchronously either way: the handle tells the watchdog when it completed (on NCCL,
+        # when the device did). A blocking call waits on it right away.
+        work = collective(True)
     except RuntimeError as err:
+        watchdog.end(token)
         raise faults.collective_failed(kind, name, group, err) from err
+    watchdog.attach_work(token, work)
+    pending = Pending(work, kind, name, group, then, token)
     if async_op:
-        return Pending(work, kind, name, group, then)
-    if then is not None:
-        then()
+        return pending
+    pending.wait()
     return None
 
 

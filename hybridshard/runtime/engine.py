@@ -36,6 +36,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from hybridshard.runtime import agreement
 from hybridshard.runtime.counters import CollectiveCounts
 from hybridshard.runtime.overlap import GradReducer
 from hybridshard.runtime.position import where
@@ -64,8 +65,11 @@ class Runtime:
         prefetch: int = 1,
         overlap_grads: bool = True,
         compressor: Any = None,
+        check_steps: bool = True,
     ) -> None:
         self.model = model
+        self.check_steps = check_steps
+        """Compare every rank's step before each forward and backward; see [Note: step check]."""
         self.strategy = strategy
         """The model's strategy (the root unit's); each unit carries its own."""
         self.mixed_precision = mixed_precision
@@ -124,6 +128,8 @@ class Runtime:
                 self._recover_aborted_backward()
             if is_root and not self.in_backward:
                 where.start_forward()
+                if self.check_steps:
+                    self._check_step(Pass.FORWARD)
                 self.prefetcher.begin(Pass.FORWARD)
             if not self.in_backward:
                 self.prefetcher.before_unit(Pass.FORWARD, unit)
@@ -151,14 +157,22 @@ class Runtime:
         """Called by every unit backward hook; the first one of a backward queues the final callback."""
         if self._callback_queued and not self._backward_running():
             self._recover_aborted_backward()
+        if not self._callback_queued:
+            where.phase = "backward" if self.sync_mode is SyncMode.SYNC else "no_sync backward"
+            where.unit = -1
+            if self.check_steps:
+                self._check_step(Pass.BACKWARD)  # before any gather or reduction of this backward
         self.in_backward = True
-        where.phase = "backward" if self.sync_mode is SyncMode.SYNC else "no_sync backward"
         if not self._callback_queued:
             self.prefetcher.begin(Pass.BACKWARD)
             callback = _FinishBackward(self)
             self._callback_queued = True
             self._callback_ref = weakref.ref(callback)
             Variable._execution_engine.queue_callback(callback)
+
+    def _check_step(self, phase: Pass) -> None:
+        agreement.check_step(phase.value, mode=self.sync_mode.value, num_units=len(self.units),
+                             order_digest=self.prefetcher.digest())
 
     def _backward_running(self) -> bool:
         """Whether the backward that queued the final callback is still running; see

@@ -1,117 +1,90 @@
-"""Faults between ranks: a collective that fails names its group and the lost ranks, and a rank that
-raises tells the others why. The opt-in check that ranks agree on each collective is
-:mod:`hybridshard.runtime.agreement`.
+"""Faults between ranks: every error says first which rank did what, then the details.
 
 [Note: naming the lost rank]
 When a rank dies (killed, or raised and exited), its peers' pending collective fails: at once with
 gloo ("connection reset by peer"), after the process group's timeout with NCCL or when the rank is
 alive but elsewhere. The backend's message names an address at best. So a rank whose collective
-failed writes ``hybridshard/fault/<rank>`` into the job's store (the c10d store every rank already
-shares) and waits up to :data:`REPORT_SECONDS` for the other members of the group to do the same.
-Members that never write are the lost ones; a rank that raised one of the runtime's own errors
-wrote its message there before raising (:func:`announce`), so its peers repeat it. All of this runs
-on the failure path only: a healthy collective costs nothing extra. When workers can restart, the
-store lives in rank 0's process (see [Note: restarts] in hybridshard/launcher/settings.py); if rank 0
-is the lost one, nothing can be read and the error says so instead of naming every rank.
+failed asks every rank where it is through the job's store (see [Note: asking every rank where it
+is] in :mod:`hybridshard.runtime.peers`) and builds its error from the answers, cause first:
+
+- a rank that raised (one of the runtime's errors, :func:`announce`, or any uncaught exception, see
+  :mod:`hybridshard.runtime.exits`): ``rank 1 raised ValueError: a bad batch``;
+- a rank that finished its training and left: ``rank 1 finished after 4 steps and left ...``;
+- ranks that answer nothing: ``rank 1 was lost (killed or crashed ...)``;
+- every rank alive: the ranks issued different collectives, or the network failed.
+
+The first line says that; then every rank's answer, one line each; then what to do; the backend's
+own text comes last. All of this runs on the failure path only. When workers can restart, the store
+lives in rank 0's process (see [Note: restarts] in hybridshard/launcher/settings.py); if rank 0 is
+the lost one, nothing can be read and the error says so instead of naming every rank.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
-from typing import Any
 
 import torch.distributed as dist
 
+from hybridshard.runtime import peers
+from hybridshard.runtime.position import current_where
+from hybridshard.runtime.watchdog import table
+from hybridshard.topology.groups import group_ranks
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["REPORT_SECONDS", "announce", "collective_failed", "group_ranks"]
-
-REPORT_SECONDS = 3.0
-"""How long a rank whose collective failed waits for its peers to report before naming the others lost."""
-_KEY = "hybridshard/fault/"
-_SURVIVOR = "survivor"
+__all__ = ["CollectiveError", "announce", "collective_failed", "first_line"]
 
 
-def _store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store: the error is still raised, without the names
-        return None
+class CollectiveError(RuntimeError):
+    """A collective failed: the consequence of what another rank did (the message says what)."""
+
+_RESTART = ("The job's collectives are out of step and it cannot continue: restart it (hybridshard launch "
+            "--max-restarts N restarts every rank) and resume from the last checkpoint.")
 
 
-def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
-    """Global ranks of ``group``: this rank alone for ``None`` (no group), every rank for the world."""
-    if group is None:
-        return [dist.get_rank()]
-    if group is dist.group.WORLD:
-        return list(range(dist.get_world_size()))
-    return list(dist.get_process_group_ranks(group))
+def first_line(err: BaseException | str) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else (type(err).__name__ if isinstance(err, BaseException) else "")
 
 
-def announce(message: str) -> None:
-    """Leave this rank's error where its peers will find it if their collectives fail next."""
-    store = _store()
-    if store is None or not dist.is_initialized():
-        return
-    try:
-        store.set(f"{_KEY}{dist.get_rank()}", message.encode())
-    except Exception:  # noqa: BLE001 - the store may be gone too; the local error still stands
-        logger.debug("could not publish the error to the store", exc_info=True)
+def announce(error: BaseException) -> None:
+    """Tell the other ranks that this rank raised ``error`` (before raising it), so that their failing
+    collectives name the cause: ``rank 1 raised ValueError: ...``. A :class:`CollectiveError` is a
+    consequence, not a cause: it is published as this rank having failed."""
+    rank = peers.identity()[0]
+    if isinstance(error, CollectiveError):
+        peers.publish("failed", f"rank {rank} failed too: {first_line(error)}")
+    else:
+        peers.publish("raised", f"rank {rank} raised {type(error).__name__}: {first_line(error)}")
 
 
-def _peer_reports(ranks: list[int]) -> dict[int, str] | None:
-    """Report this rank as a survivor, then collect what the group's members wrote (see the Note);
-    ``None`` when the store cannot be reached."""
-    store = _store()
-    if store is None:
-        return None
-    me = dist.get_rank()
-    keys = {r: f"{_KEY}{r}" for r in ranks}
-    try:
-        if not store.check([keys[me]]):
-            store.set(keys[me], _SURVIVOR.encode())
-        deadline = time.monotonic() + REPORT_SECONDS
-        while time.monotonic() < deadline and not store.check(list(keys.values())):
-            time.sleep(0.1)
-        return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
-    except Exception:  # noqa: BLE001 - a lost store leaves the names out, not the error
-        logger.debug("could not read peer reports from the store", exc_info=True)
-        return None
-
-
-def collective_failed(kind: str, group_label: str, group: dist.ProcessGroup | None, err: BaseException) -> RuntimeError:
+def collective_failed(kind: str, group_label: str, group: dist.ProcessGroup | None, err: BaseException) -> CollectiveError:
     """The error to raise when ``kind`` on ``group`` failed with ``err``; see [Note: naming the lost rank]."""
-    ranks = group_ranks(group)
-    # The whole job reports, not only the group: the rank that died first may be in another group
-    # (its death cascades, each failed rank leaving in turn).
-    reports = _peer_reports(list(range(dist.get_world_size())))
-    unreachable = reports is None
-    reports = reports or {}
-    lost = [] if unreachable else [r for r in range(dist.get_world_size()) if r not in reports]
-    raised = {r: m for r, m in reports.items() if m != _SURVIVOR and r != dist.get_rank()}
-    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    parts = [f"{kind} on the {group_label} group (ranks {ranks}) failed on rank {dist.get_rank()}: {first_line}."]
+    me, ranks, where = dist.get_rank(), group_ranks(group), current_where().describe()
+    mine = f"{kind} on the {group_label} group (ranks {ranks})"
+    reports = peers.ask_everyone({"state": "failed", "text": f"rank {me}: {mine} failed ({where})",
+                                  "ranks": ranks, "call": current_where().call})
+    if reports is None:
+        host = ("rank 0's process, so rank 0 is probably the lost one"
+                if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False" else "the rendezvous host")
+        cause = (f"rank {me}: {mine} failed ({where}), and the job's store could not be reached to learn "
+                 f"why; the store lives in {host}.")
+        return CollectiveError(f"{cause}\n{_RESTART}\nbackend: {first_line(err)}")
+    raised = [r for r in reports if r.state == "raised"]
+    done = [r for r in reports if r.state == "done"]
+    lost = [r.rank for r in reports if r.state == "lost"]
     if raised:
-        parts.append(" " + "; ".join(f"rank {r} raised: {m}" for r, m in sorted(raised.items())) + ".")
-    if unreachable:
-        where_ = ("rank 0's process, so rank 0 is probably the lost one"
-                  if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False" else "the rendezvous host")
-        parts.append(f" The job's store could not be reached to learn which rank was lost; it lives in {where_}.")
+        cause = f"{raised[0].text}; so {mine} failed on rank {me} ({where})."
+    elif done:
+        cause = (f"{done[0].text} and left, while rank {me} was still training ({where}): the ranks ran "
+                 f"different numbers of steps, and {mine} failed.")
     elif lost:
-        parts.append(
-            f" Rank{'s' if len(lost) > 1 else ''} {lost} did not report within {REPORT_SECONDS:.0f}s: lost (killed or "
-            "crashed), or still blocked in a collective with a lost rank; read their logs."
-        )
-    elif not raised and reports:
-        parts.append(
-            " Every rank reported back, so none was lost: the ranks issued different collectives (a different "
-            "number of forwards/backwards or no_sync blocks; rerun with HYBRIDSHARD_DEBUG=1 to see where), or the "
-            "network failed."
-        )
-    parts.append(
-        " The job's collectives are out of step and it cannot continue: restart it (hybridshard launch "
-        "--max-restarts N restarts every rank) and resume from the last checkpoint."
-    )
-    return RuntimeError("".join(parts))
+        cause = (f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
+                 f"{'were' if len(lost) > 1 else 'was'} lost (killed or crashed: no answer within "
+                 f"{peers.REPORT_SECONDS:.0f}s); so {mine} failed on rank {me} ({where}).")
+    else:
+        cause = (f"rank {me}: {mine} failed ({where}) while every rank is alive: the ranks issued different "
+                 "collectives (a different number of forwards/backwards or no_sync blocks, or a collective on "
+                 "some ranks only; HYBRIDSHARD_DEBUG=1 checks each one), or the network failed.")
+    return CollectiveError(f"{cause}\nwhere every rank is:\n{table(reports)}\n{_RESTART}\nbackend: {first_line(err)}")

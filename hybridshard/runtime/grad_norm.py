@@ -12,12 +12,14 @@ import torch.nn as nn
 from hybridshard.runtime import collectives as C
 from hybridshard.runtime.engine import get_runtime
 from hybridshard.runtime.unit import Unit
+from hybridshard.runtime.position import api_call
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["clip_grad_norm_"]
 
 
+@api_call
 def clip_grad_norm_(
     model: nn.Module, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
 ) -> torch.Tensor:

@@ -18,10 +18,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hybridshard.runtime import collectives as C
+from hybridshard.topology.groups import collective_device
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_devices", "check_same_model", "collective_device"]
+__all__ = ["check_devices", "check_same_model"]
 
 
 def check_devices(model: nn.Module, device: torch.device) -> None:
@@ -101,7 +102,3 @@ def _describe(entry: Any) -> str:
         return "no such parameter"
     name, shape, dtype, s, a = entry
     return f"{name} shape {list(shape)} {dtype} (sum {float.fromhex(s):.6g}, abs sum {float.fromhex(a):.6g})"
-
-
-def collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

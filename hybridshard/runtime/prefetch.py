@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import zlib
 from typing import Any, Sequence
 
 logger = logging.getLogger(__name__)
@@ -42,23 +43,28 @@ class _Order:
     def __init__(self) -> None:
         self.recorded: list[int] = []
         self._next: dict[int, list[int]] = {}
-        self._current: list[int] = []
+        self.current: list[int] = []
+        """The order of the pass running now (or last run), as recorded so far."""
         self._seen: set[int] = set()
 
     def start(self) -> None:
         """A new pass begins: the one recorded so far becomes the order to follow."""
-        if self._current and self._current != self.recorded:
+        if self.current and self.current != self.recorded:
             if self.recorded:
-                logger.debug("unit order changed: %s -> %s", self.recorded, self._current)
-            self.recorded = self._current
+                logger.debug("unit order changed: %s -> %s", self.recorded, self.current)
+            self.recorded = self.current
             self._next = {u: self.recorded[i + 1 :] for i, u in enumerate(self.recorded)}
-        self._current, self._seen = [], set()
+        self.current, self._seen = [], set()
+
+    def visited(self, index: int) -> bool:
+        """Whether ``index`` started in the pass being recorded."""
+        return index in self._seen
 
     def visit(self, index: int) -> list[int]:
         """Record ``index``; the units that followed it last time."""
         if index not in self._seen:
             self._seen.add(index)
-            self._current.append(index)
+            self.current.append(index)
         return self._next.get(index, [])
 
 
@@ -72,6 +78,11 @@ class Prefetcher:
         self.depth = depth
         self._orders = {Pass.FORWARD: _Order(), Pass.BACKWARD: _Order()}
 
+    def digest(self) -> int:
+        """A checksum of every unit order recorded so far (the step check compares it across ranks)."""
+        orders = [(o.recorded, o.current) for o in self._orders.values()]
+        return zlib.crc32(repr(orders).encode())
+
     def begin(self, phase: Pass) -> None:
         self._orders[phase].start()
 
@@ -82,9 +93,14 @@ class Prefetcher:
             return
         unit.prefetch()
         ahead = 0
+        order = self._orders[phase]
         for index in following:
             if ahead == self.depth:
                 break
+            if order.visited(index):
+                # Already computed in this pass (the order changed): gathering it again would give
+                # this rank one collective more than the others.
+                continue
             other = self.units[index]
             if other.prefetch() or other.prefetched:
                 ahead += 1

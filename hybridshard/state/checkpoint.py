@@ -47,6 +47,7 @@ from hybridshard.state import optim as O
 from hybridshard.state.access import check_idle, is_sharded, local_params, param_ranges, units
 from hybridshard.state.planner import Piece, PieceLoadPlanner, PieceSavePlanner
 from hybridshard.state.progress import ProgressWriter
+from hybridshard.runtime.position import api_call
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ def _topology(model: nn.Module) -> dict[str, Any]:
 # -- save ------------------------------------------------------------------------------------------
 
 
+@api_call
 def save_checkpoint(
     path: str | os.PathLike, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None, extra: Any = None
 ) -> SaveResult:
@@ -268,6 +270,7 @@ def _resolve(path: str) -> str:
     )
 
 
+@api_call
 def load_checkpoint(
     path: str | os.PathLike, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None
 ) -> Any:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hybridshard.state.access import check_idle, gather_unit, holds_rank0, units
+from hybridshard.runtime.position import api_call
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +21,7 @@ def _copy(value: torch.Tensor, to_cpu: bool) -> torch.Tensor:
     return value.to("cpu", copy=True) if to_cpu else value.clone()
 
 
+@api_call
 def full_state_dict(model: nn.Module, *, to_cpu: bool = True, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter gathered to full shape (master dtype) and every buffer.
 
@@ -70,6 +72,7 @@ def param_keys(model: nn.Module) -> dict[str, tuple[int, int]]:
     return {k: where[id(v)] for k, v in model.state_dict(keep_vars=True).items() if id(v) in where}
 
 
+@api_call
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Load a full state dict (as :func:`full_state_dict` returns) into a sharded model.
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hybridshard.state.access import check_idle, gather_unit, holds_rank0, is_sharded, local_params, param_ranges, units
+from hybridshard.runtime.position import api_call
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ def _shard_buffer(unit, tensors: list[torch.Tensor | None], like: torch.Tensor) 
     return buf
 
 
+@api_call
 def full_optim_state_dict(
     model: nn.Module, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False, to_cpu: bool = True
 ) -> dict[str, Any]:
@@ -164,6 +166,7 @@ def apply_state(
     optimizer.load_state_dict({"state": osd_state, "param_groups": osd_groups})
 
 
+@api_call
 def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
     """Load a name-keyed full optimizer state dict (as :func:`full_optim_state_dict` returns) on every rank.
 

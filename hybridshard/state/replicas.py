@@ -23,6 +23,7 @@ import torch.nn as nn
 from hybridshard.runtime import collectives as C
 from hybridshard.state.access import check_idle, units
 from hybridshard.topology.groups import group_name
+from hybridshard.runtime.position import api_call
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ def shard_checksum(shard: torch.Tensor) -> torch.Tensor:
     return torch.stack([bits.sum(), (bits * weights).sum()])
 
 
+@api_call
 def check_replicas(model: nn.Module) -> None:
     """Raise :class:`ReplicaDivergence` (a ``RuntimeError``) naming the ranks whose shards differ from their replicas.
 
