@@ -49,9 +49,16 @@ def _survivors_say(results, first_line: str) -> None:
 
 
 def _every_rank_raises_out_of_step(results, *words: str) -> None:
-    """Every rank raises the step check's ValueError naming rank 1, before any weight changed."""
+    """Every rank raises the step check's ValueError naming rank 1, before any weight changed. Rank 1
+    may instead fail in a gather of its forward, the others' ValueError leading its message (the
+    forward's check is compared at the next check; see [Note: step check])."""
     for rank, r in results.items():
-        assert r["outcome"] == "error" and r["type"] == "ValueError", r
+        assert r["outcome"] == "error", r
+        if r["type"] == "CollectiveError" and rank == 1:
+            assert "raised ValueError: rank 1 is out of step with the others" in _first_line(r), r["message"]
+            assert r["weights_unchanged"] and r["seconds"] < DEADLINE, r
+            continue
+        assert r["type"] == "ValueError", r
         assert _first_line(r).startswith("rank 1 is out of step with the others"), r["message"]
         for word in words:
             assert word in r["message"], (word, r["message"])

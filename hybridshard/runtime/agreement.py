@@ -10,8 +10,11 @@ hook, before any gather or reduction) all-gathers a fingerprint over the whole j
 step (syncing backwards so far), the forwards in this step, the ``no_sync`` mode, the number of
 units and a digest of the unit orders recorded so far. The checks always pair with each other (a
 forward's with a backward's when one rank ran an extra forward), so a difference raises a
-``ValueError`` on every rank, naming what each was doing, before any gradient is reduced: no weight
-changes. A rank that skipped a whole step (forward included) cannot be told apart from the others
+``ValueError`` naming what each rank was doing, before any gradient is reduced: no weight changes.
+The forward's check runs while the forward computes: it is issued at the root's pre-hook and
+compared at the next check (the backward's, or the next forward's); the backward's is compared
+before its first gather. A rank that is out of step in the forward may therefore fail in a gather
+instead, with the others' ``ValueError`` as its cause. A rank that skipped a whole step (forward included) cannot be told apart from the others
 until it finishes early; see [Note: finishing together] in :mod:`hybridshard.runtime.exits`. Cost:
 two all-gathers of a few integers per step (docs/runtime.md has the measured figure);
 ``shard(..., check_steps=False)`` turns it off.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +45,7 @@ from hybridshard.topology.groups import collective_device, group_ranks
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check", "check_step", "enabled", "set_debug"]
+__all__ = ["StepCheck", "check", "enabled", "issue_step_check", "set_debug"]
 
 # Newer torch renames the tensor-in/tensor-out all-gather; the semantics are the same.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -92,28 +96,52 @@ _PASSES = ("forward", "backward")
 _MODES = ("sync", "local", "shard_only")
 
 
-def check_step(pass_name: str, *, mode: str, num_units: int, order_digest: int) -> None:
-    """All-gather this rank's step fingerprint over the job and raise if the ranks differ; see [Note: step check]."""
+class StepCheck:
+    """One step check in flight: issued with :func:`issue_step_check`, compared by :meth:`verify`."""
+
+    def __init__(self, everyone: torch.Tensor, work: Any, token: int, world: int) -> None:
+        self._everyone, self._work, self._token, self._world = everyone, work, token, world
+
+    def verify(self) -> None:
+        """Wait for the all-gather and raise ``ValueError`` on every rank if the ranks differ."""
+        try:
+            self._work.wait()
+        except RuntimeError as err:
+            raise faults.collective_failed("step check (all_gather)", "world", dist.group.WORLD, err) from err
+        finally:
+            watchdog.end(self._token)
+        rows = self._everyone.view(self._world, -1).tolist()
+        if any(row != rows[0] for row in rows):
+            _raise_out_of_step(rows)
+
+
+def issue_step_check(pass_name: str, *, mode: str, num_units: int, order_digest: int) -> StepCheck | None:
+    """Start the all-gather of this rank's step fingerprint over the job; see [Note: step check].
+
+    ``None`` in a one-rank job. Every rank must :meth:`~StepCheck.verify` it before its next step
+    check and before any gradient reduction.
+    """
+    world = dist.get_world_size()
+    if world == 1:
+        return None
     w = current_where()
     mine = torch.tensor(
         [_PASSES.index(pass_name), w.step, w.forward, _MODES.index(mode), num_units, order_digest],
         dtype=torch.int64,
         device=collective_device(),
     )
-    world = dist.get_world_size()
-    if world == 1:
-        return
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=mine.device)
     token = watchdog.begin("step check", "world", dist.group.WORLD, mine.numel())
     try:
-        _ALL_GATHER(everyone, mine, async_op=True).wait()  # the default group: the whole job
+        work = _ALL_GATHER(everyone, mine, async_op=True)  # the default group: the whole job
     except RuntimeError as err:
-        raise faults.collective_failed("step check (all_gather)", "world", dist.group.WORLD, err) from err
-    finally:
         watchdog.end(token)
-    rows = everyone.view(world, -1).tolist()
-    if all(row == rows[0] for row in rows):
-        return
+        raise faults.collective_failed("step check (all_gather)", "world", dist.group.WORLD, err) from err
+    return StepCheck(everyone, work, token, world)
+
+
+def _raise_out_of_step(rows: list[list[int]]) -> None:
+    world = len(rows)
     groups: dict[tuple, list[int]] = {}
     for rank, row in enumerate(rows):
         groups.setdefault(tuple(row), []).append(rank)

@@ -70,6 +70,8 @@ class Runtime:
         self.model = model
         self.check_steps = check_steps
         """Compare every rank's step before each forward and backward; see [Note: step check]."""
+        self._pending_check: agreement.StepCheck | None = None
+        """The forward's step check, compared at the next check."""
         self.strategy = strategy
         """The model's strategy (the root unit's); each unit carries its own."""
         self.mixed_precision = mixed_precision
@@ -129,7 +131,8 @@ class Runtime:
             if is_root and not self.in_backward:
                 where.start_forward()
                 if self.check_steps:
-                    self._check_step(Pass.FORWARD)
+                    self._verify_pending_check()
+                    self._pending_check = self._issue_check(Pass.FORWARD)
                 self.prefetcher.begin(Pass.FORWARD)
             if not self.in_backward:
                 self.prefetcher.before_unit(Pass.FORWARD, unit)
@@ -160,8 +163,11 @@ class Runtime:
         if not self._callback_queued:
             where.phase = "backward" if self.sync_mode is SyncMode.SYNC else "no_sync backward"
             where.unit = -1
-            if self.check_steps:
-                self._check_step(Pass.BACKWARD)  # before any gather or reduction of this backward
+            if self.check_steps:  # before any gather or reduction of this backward
+                self._verify_pending_check()
+                check = self._issue_check(Pass.BACKWARD)
+                if check is not None:
+                    check.verify()
         self.in_backward = True
         if not self._callback_queued:
             self.prefetcher.begin(Pass.BACKWARD)
@@ -170,9 +176,14 @@ class Runtime:
             self._callback_ref = weakref.ref(callback)
             Variable._execution_engine.queue_callback(callback)
 
-    def _check_step(self, phase: Pass) -> None:
-        agreement.check_step(phase.value, mode=self.sync_mode.value, num_units=len(self.units),
-                             order_digest=self.prefetcher.digest())
+    def _issue_check(self, phase: Pass) -> agreement.StepCheck | None:
+        return agreement.issue_step_check(phase.value, mode=self.sync_mode.value, num_units=len(self.units),
+                                          order_digest=self.prefetcher.digest())
+
+    def _verify_pending_check(self) -> None:
+        check, self._pending_check = self._pending_check, None
+        if check is not None:
+            check.verify()
 
     def _backward_running(self) -> bool:
         """Whether the backward that queued the final callback is still running; see
