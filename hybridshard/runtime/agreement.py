@@ -5,18 +5,21 @@ by default), and the opt-in check of every collective.
 Ranks that run a different number of forwards or backwards, a different ``no_sync`` pattern, or
 units in a different order (a data-dependent branch, so that prefetching gathers other units) issue
 collectives that pair up by order: same-size ones silently mix unrelated tensors, the others fail
-or hang. Each forward (at the root's pre-hook, before any gather) and each backward (at its first
-hook, before any gather or reduction) all-gathers a fingerprint over the whole job: which pass, the
+or hang. Each forward (issued at the root's pre-hook, before any gather) and each backward (issued
+at its first hook, before any gather) all-gathers a fingerprint over the whole job: which pass, the
 step (syncing backwards so far), the forwards in this step, the ``no_sync`` mode, the number of
 units and a digest of the unit orders recorded so far. The checks always pair with each other (a
 forward's with a backward's when one rank ran an extra forward), so a difference raises a
 ``ValueError`` naming what each rank was doing, before any gradient is reduced: no weight changes.
-The forward's check runs while the forward computes: it is issued at the root's pre-hook and
-compared at the next check (the backward's, or the next forward's); the backward's is compared
-before its first gather. A rank that is out of step in the forward may therefore fail in a gather
-instead, with the others' ``ValueError`` as its cause. A rank that skipped a whole step (forward included) cannot be told apart from the others
-until it finishes early; see [Note: finishing together] in :mod:`hybridshard.runtime.exits`. Cost:
-two all-gathers of a few integers per step (docs/runtime.md has the measured figure);
+Neither check stops the step to wait: the forward's all-gather runs while the forward computes and
+is compared at the next check; the backward's runs while the first unit's backward computes and is
+compared before the backward's first gradient reduction (the gathers before it are all-gathers,
+which cannot reduce anything). Ranks out of step may meanwhile pair gathers wrongly; a collective
+that fails in that window first waits (up to 3 s) for the check in flight and raises its
+``ValueError`` instead, the cause rather than the consequence. A rank that skipped a whole step
+(forward included) cannot be told apart from the others until it finishes early; see [Note:
+finishing together] in :mod:`hybridshard.runtime.exits`. Cost: two all-gathers of six integers per
+step, off the critical path (docs/runtime.md has the measured figure);
 ``shard(..., check_steps=False)`` turns it off.
 
 [Note: debug agreement check]
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -45,7 +49,7 @@ from hybridshard.topology.groups import collective_device, group_ranks
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepCheck", "check", "enabled", "issue_step_check", "set_debug"]
+__all__ = ["StepCheck", "check", "enabled", "issue_step_check", "raise_if_out_of_step", "set_debug"]
 
 # Newer torch renames the tensor-in/tensor-out all-gather; the semantics are the same.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -96,14 +100,21 @@ _PASSES = ("forward", "backward")
 _MODES = ("sync", "local", "shard_only")
 
 
+_CHECKS: list["StepCheck"] = []
+"""Step checks issued and not compared yet (at most two: a forward's and a backward's)."""
+
+
 class StepCheck:
     """One step check in flight: issued with :func:`issue_step_check`, compared by :meth:`verify`."""
 
     def __init__(self, everyone: torch.Tensor, work: Any, token: int, world: int) -> None:
         self._everyone, self._work, self._token, self._world = everyone, work, token, world
+        _CHECKS.append(self)
 
     def verify(self) -> None:
         """Wait for the all-gather and raise ``ValueError`` on every rank if the ranks differ."""
+        if self in _CHECKS:
+            _CHECKS.remove(self)
         try:
             self._work.wait()
         except RuntimeError as err:
@@ -113,6 +124,28 @@ class StepCheck:
         rows = self._everyone.view(self._world, -1).tolist()
         if any(row != rows[0] for row in rows):
             _raise_out_of_step(rows)
+
+    def completed(self) -> bool:
+        try:
+            return bool(self._work.is_completed())
+        except RuntimeError:
+            return True
+
+
+def raise_if_out_of_step(seconds: float = 3.0) -> None:
+    """A collective failed: if a step check still in flight completes within ``seconds`` and shows
+    the ranks out of step, raise that (the cause) instead of the failure (a consequence)."""
+    deadline = time.monotonic() + seconds
+    for check in list(_CHECKS):
+        while not check.completed() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if check.completed():
+            try:
+                check.verify()
+            except ValueError:
+                raise
+            except RuntimeError:
+                pass  # the check failed too: the collective's own error says the rest
 
 
 def issue_step_check(pass_name: str, *, mode: str, num_units: int, order_digest: int) -> StepCheck | None:

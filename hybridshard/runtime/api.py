@@ -15,7 +15,7 @@ from hybridshard.runtime.build import broadcast_from_rank0, build_unit, distinct
 from hybridshard.runtime.engine import Runtime, holds_sharded_module
 from hybridshard.runtime.model_check import check_devices, check_same_model
 from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
-from hybridshard.runtime.wrap import WrapPolicy, plan_units
+from hybridshard.runtime.wrap import WrapPolicy, plan_units, split_frozen as split_frozen_parts
 from hybridshard.topology.groups import ShardGroups, init_groups, name_group
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ def shard(
     overlap_grads: bool = True,
     replicate_compression: str | None = None,
     check_steps: bool = True,
+    split_frozen: float | None = 0.5,
 ) -> nn.Module:
     """Shard ``model`` in place and return it.
 
@@ -64,10 +65,25 @@ def shard(
     either way. ``replicate_compression="bf16"`` or ``"int8"`` quantizes the hybrid units' all-reduce
     across the replicate group (with error feedback; shard-group traffic stays exact), halving or
     quartering the inter-node bytes at some gradient precision; see :mod:`hybridshard.runtime.compression`.
+
+    ``split_frozen``: a unit whose frozen parameters hold at least this fraction of its elements (and
+    that has trainable ones too) becomes two units over the same module, so that only the trainable
+    part builds and reduces a gradient (0 splits every unit that mixes the two, ``None`` none); see
+    [Note: frozen parts] in :mod:`hybridshard.runtime.wrap`.
+
+    After ``shard``, a conversion that would change a parameter (``model.to(torch.float16)``,
+    ``.half()``, ``.cuda()`` ...) raises a ``ValueError``; one that changes nothing works as before
+    (see [Note: converting a sharded model] in :mod:`hybridshard.runtime.engine`).
     """
     for flag, value in (("overlap_grads", overlap_grads), ("check_steps", check_steps)):
         if not isinstance(value, bool):
             raise ValueError(f"{flag} must be True or False; got {value!r}")
+    if split_frozen is not None and (isinstance(split_frozen, bool) or not isinstance(split_frozen, (int, float))
+                                     or not 0 <= split_frozen <= 1):
+        raise ValueError(
+            f"split_frozen must be a fraction between 0 and 1 (of a unit's elements that frozen parameters must "
+            f"hold for the unit to be split), or None to split no unit; got {split_frozen!r}"
+        )
     compressor = None
     if replicate_compression is not None:
         from hybridshard.runtime.compression import ReplicateCompressor, parse_compression
@@ -87,7 +103,7 @@ def shard(
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise ValueError(f"mixed_precision must be a hybridshard.MixedPrecision or None; got {mixed_precision!r}")
     _check_low_precision_grads(mixed_precision, torch.Tensor)
-    specs = plan_units(model, wrap)
+    specs = split_frozen_parts(plan_units(model, wrap), split_frozen)
     strategies = [spec.strategy or strategy for spec in specs]
     by_strategy, groups = _resolve_groups(strategies, groups, mesh)
     device = _resolve_device(device, groups)
@@ -105,12 +121,16 @@ def shard(
         build_unit(spec, s, by_strategy[s], mixed_precision, device, rank0_index.get(id(by_strategy[s])), runtime)
         for spec, s in zip(specs, strategies)
     ]
+    for i, spec in enumerate(specs):
+        if spec.part_of is not None:  # right after its trainable part; see [Note: frozen parts]
+            units[i - 1].add_frozen_part(units[i], is_root=i == 1)
     root_groups = by_strategy[strategies[0]]
     for buf in model.buffers():
         buf.data = buf.data.to(device)
         if sync_module_states:
             broadcast_from_rank0(buf.data, root_groups, rank0_index[id(root_groups)])
     runtime.attach(units)
+    runtime.guard_conversions()
     watchdog.start()
     exits.install()
     if logger.isEnabledFor(logging.INFO):

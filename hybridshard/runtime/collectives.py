@@ -59,6 +59,7 @@ class Pending:
             self._work.wait()
         except RuntimeError as err:
             watchdog.end(self._token)
+            agreement.raise_if_out_of_step()
             raise faults.collective_failed(self._kind, self._name, self._group, err) from err
         if self._work.is_completed():  # on NCCL the device may still run it: the watchdog polls it
             watchdog.end(self._token)
@@ -102,6 +103,7 @@ def _run(
         work = collective(True)
     except RuntimeError as err:
         watchdog.end(token)
+        agreement.raise_if_out_of_step()
         raise faults.collective_failed(kind, name, group, err) from err
     watchdog.attach_work(token, work)
     pending = Pending(work, kind, name, group, then, token)

@@ -114,6 +114,14 @@ class Runtime:
             self._handles.append(unit.module.register_forward_hook(self._make_post_hook(unit)))
         setattr(self.model, _ATTR, self)
 
+    def guard_conversions(self) -> None:
+        """Make ``.to()`` / ``.half()`` / ``.cuda()`` / ``.float()`` ... on the model or any submodule raise
+        when they would change a parameter or gradient; see [Note: converting a sharded model]."""
+        names = {id(p): slot.name for unit in self.units for slot, p in zip(unit.flat.layout.slots, unit.flat.params)}
+        for module in self.model.modules():
+            # An instance attribute shadows Module._apply, through which every conversion goes.
+            module._apply = _guarded_apply(module, names)
+
     def reset_stats(self) -> None:
         """Zero the collective counts, the step count and every unit's hook times."""
         self.stats.reset()
@@ -137,6 +145,7 @@ class Runtime:
             if not self.in_backward:
                 self.prefetcher.before_unit(Pass.FORWARD, unit)
             unit.pre_forward()
+            unit.watch_inputs(args, kwargs)  # see [Note: resharding frozen units early]
             unit.hook_seconds += time.perf_counter() - started
             if is_root and param_dtype is not None and not self.in_backward:
                 cast = lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
@@ -163,11 +172,9 @@ class Runtime:
         if not self._callback_queued:
             where.phase = "backward" if self.sync_mode is SyncMode.SYNC else "no_sync backward"
             where.unit = -1
-            if self.check_steps:  # before any gather or reduction of this backward
+            if self.check_steps:  # compared before this backward's first reduction
                 self._verify_pending_check()
-                check = self._issue_check(Pass.BACKWARD)
-                if check is not None:
-                    check.verify()
+                self._pending_check = self._issue_check(Pass.BACKWARD)
         self.in_backward = True
         if not self._callback_queued:
             self.prefetcher.begin(Pass.BACKWARD)
@@ -184,6 +191,10 @@ class Runtime:
         check, self._pending_check = self._pending_check, None
         if check is not None:
             check.verify()
+
+    def before_reduction(self) -> None:
+        """Called before any gradient of a backward is reduced: the step check must have passed."""
+        self._verify_pending_check()
 
     def _backward_running(self) -> bool:
         """Whether the backward that queued the final callback is still running; see
@@ -211,6 +222,52 @@ class Runtime:
             self.in_backward = False
             self._callback_queued = False
             where.end_backward(synced=self.sync_mode is SyncMode.SYNC)
+
+
+def _guarded_apply(module: nn.Module, names: dict[int, str]):
+    """``module._apply`` that first checks the conversion leaves every parameter and gradient as it is.
+
+    [Note: converting a sharded model]
+    Every module conversion (``to``, ``half``, ``float``, ``cuda``, ``cpu``, ``type``, ``to_empty``)
+    runs ``Module._apply(fn)``, which would set each parameter's ``.data`` to ``fn(param)``. Between
+    steps that ``.data`` is the parameter's part of its unit's master shard, so the next gather
+    would copy a converted copy back into the master (in the master's dtype, on its device) and the
+    conversion would silently not happen. So ``shard`` wraps every module's ``_apply``: it calls
+    ``fn`` on each parameter and gradient first, and if any comes back as another tensor it raises a
+    ``ValueError`` naming the parameter, the dtype and device the runtime keeps and those asked
+    for, and the supported way (``MixedPrecision(param_dtype=...)`` to compute in another dtype;
+    converting or moving the model before ``shard``); nothing has changed then. A conversion that
+    changes nothing (``fn`` returns the tensor itself: same dtype and device) runs as before,
+    buffers included.
+    """
+    original = module._apply
+
+    def _apply(fn, recurse: bool = True):
+        for rel, p in module.named_parameters(recurse=recurse):
+            name = names.get(id(p), rel)
+            with torch.no_grad():
+                for what, t in (("parameter", p), ("gradient of parameter", p.grad)):
+                    if t is not None and (new := fn(t)) is not t:
+                        raise ValueError(_conversion_error(what, name, t, new))
+        return original(fn, recurse)
+
+    return _apply
+
+
+def _conversion_error(what: str, name: str, old: torch.Tensor, new: torch.Tensor) -> str:
+    ways = []
+    if new.dtype != old.dtype:
+        ways.append(f"compute in {new.dtype} with shard(..., mixed_precision=MixedPrecision(param_dtype={new.dtype}))")
+    if new.device != old.device:
+        ways.append(f"pass shard(..., device={str(new.device)!r})")
+    ways.append("convert or move the model before shard()")
+    return (
+        f"{what} {name!r} of a sharded model must stay {old.dtype} on {old.device}, but this conversion "
+        f"(.to()/.half()/.float()/.cuda()/...) would make it a new {new.dtype} tensor on {new.device}; "
+        f"{', or '.join(ways)}\n"
+        "A sharded model keeps each unit's parameters as one flat master shard, into which the next gather "
+        "would copy the converted tensor back; nothing was changed."
+    )
 
 
 class _FinishBackward:

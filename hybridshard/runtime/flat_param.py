@@ -12,11 +12,20 @@ gradient into one flat gradient. The unsharded leaf object lives as long as the 
 storage is allocated and freed, so the views saved by autograd in forward read the re-gathered
 values in backward. Collectives write through ``unsharded.data``, whose version counter is not
 shared with the leaf, so refilling the storage does not trip autograd's saved-tensor check.
+
+[Note: who holds the gradient shard]
+A unit's reduced gradient is one flat tensor of this rank's shard size; each trainable parameter's
+``.grad`` is a view of its part of it. Only those views hold it: the flat parameter keeps a weak
+reference, so ``optimizer.zero_grad(set_to_none=True)`` (every ``.grad`` set to ``None``) frees
+the whole shard. The next reduction finds it again through the weak reference while any ``.grad``
+still views it and adds into it in place; a ``.grad`` the user replaced is copied in and one set to
+``None`` counts as zero, exactly as if the flat tensor had been held all along.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Sequence
 
 import torch
@@ -62,7 +71,8 @@ class FlatParam:
             self.unsharded.data = torch.empty(layout.padded_numel, dtype=compute_dtype, device=self.sharded.device)
             self._free_storage()
         self.unsharded.requires_grad_(self.requires_grad)
-        self.sharded_grad: torch.Tensor | None = None
+        self._grad_ref: weakref.ref | None = None
+        """The flat gradient shard the parameters' ``.grad`` view; see [Note: who holds the gradient shard]."""
         for p in self.params:
             # keep_low_precision_grads: a bf16 .grad next to an fp32 parameter (checked in shard()).
             if grad_dtype != self.sharded.dtype:  # frozen ones too: they may be unfrozen later
@@ -153,18 +163,31 @@ class FlatParam:
 
     # -- gradient shards -------------------------------------------------------------------------
 
+    @property
+    def sharded_grad(self) -> torch.Tensor | None:
+        """The flat gradient shard that some trainable parameter's ``.grad`` views, else ``None``."""
+        flat = self._grad_ref() if self._grad_ref is not None else None
+        if flat is None:
+            return None
+        viewed = any(p.grad is not None and p.grad._base is flat for p in self.params if p.requires_grad)
+        return flat if viewed else None
+
     def accumulate_grad_shard(self, grad_shard: torch.Tensor) -> None:
         """Add a reduced gradient shard to each parameter's ``.grad`` (a view of one flat shard)."""
         grad_shard = grad_shard.to(self.grad_dtype)
         current = self._existing_grad_shard()
-        if current is None:
-            self.sharded_grad = grad_shard
-        else:
-            current.add_(grad_shard)
-            self.sharded_grad = current
+        if current is not None:
+            grad_shard = current.add_(grad_shard)
+        elif grad_shard._base is not None:
+            # A slice of the unsharded gradient (a shard group of one): the parameters' views will
+            # refer to its base, so that is the tensor to find again (see the note above).
+            base = grad_shard._base
+            whole = base.dim() == 1 and base.numel() == grad_shard.numel() and grad_shard.storage_offset() == 0
+            grad_shard = base if whole else grad_shard.clone()
+        self._grad_ref = weakref.ref(grad_shard)
         for i, p in enumerate(self.params):
             if p.requires_grad:
-                p.grad = self.shard_view(i, self.sharded_grad)
+                p.grad = self.shard_view(i, grad_shard)
 
     def _existing_grad_shard(self) -> torch.Tensor | None:
         """The flat gradient shard the parameters' ``.grad`` currently show, or ``None`` if all are unset.
@@ -174,7 +197,7 @@ class FlatParam:
         trainable = [(i, p) for i, p in enumerate(self.params) if p.requires_grad]
         if all(p.grad is None for _, p in trainable):
             return None
-        flat = self.sharded_grad
+        flat = self._grad_ref() if self._grad_ref is not None else None
         if flat is None:
             flat = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.sharded.device)
         for i, p in trainable:

@@ -63,6 +63,7 @@ class GradReduction:
         the end of backward. See [Note: overlapped gradient reduction] in :mod:`hybridshard.runtime.overlap`.
         """
         unit, runtime = self.unit, self.runtime
+        runtime.before_reduction()  # see [Note: step check]
         groups, flat, reduce_dtype = unit.groups, unit.flat, unit.reduce_dtype
         layout = flat.layout
         if grad is None:

@@ -40,6 +40,25 @@ the gathered values; the views the original forward made stay the ones autograd 
 through (non-reentrant), or the recomputed views feed the nested backward (reentrant). Either way
 every gradient lands in the flat leaf and the post-accumulate-grad hook reduces it and frees the
 buffer again, once.
+
+[Note: resharding frozen units early]
+A unit whose parameters are all frozen gets no gradient, so no post-accumulate-grad hook frees it:
+gathered for its backward, it would stay so until the end of backward, and every such unit would be
+gathered at once. So its forward pre-hook (:meth:`Unit.watch_inputs`, with grad enabled, in a
+recomputation too) registers one multi-grad hook on the floating inputs (args and kwargs) that
+require grad; it fires once autograd has computed all of their gradients, that is once backward
+has run every op of the unit between its outputs and those inputs, and the unit frees its buffer
+and goes back to ``IDLE`` (a later pass, through another forward's outputs, gathers it again). A
+frozen part split off a module (see [Note: frozen parts] in :mod:`hybridshard.runtime.wrap`) also
+waits for its trainable part's gradient, or, when no input requires grad (the first block after a
+frozen embedding), frees on that gradient alone: the module's backward then runs only the ops that
+lead to it. The forms of checkpointing: non-reentrant recomputation runs inside the pass the hooks
+watch; a reentrant one registers on the recomputed inputs, whose hook fires when the nested
+backward has passed them. A forward whose outputs need no gradient leaves nothing to keep gathered
+(the root and ZeRO-2 units included): the unit frees at once. Unit parameters are the only tensors
+watched: one that reaches the unit other than through its arguments (an attribute, a closure) and
+requires grad is not, so such a unit must not be all frozen. Hooks are dropped at the end of
+backward; units that expect a gradient register none (their post-accumulate-grad hook frees them).
 """
 
 from __future__ import annotations
@@ -51,7 +70,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 from hybridshard.runtime import collectives as C
 from hybridshard.runtime.changes import check_unchanged
@@ -125,8 +144,28 @@ class Unit:
         """Wall time spent in the runtime's hooks for this unit since the stats were reset."""
         self.wait_seconds = 0.0
         """The part of ``hook_seconds`` spent gathering (blocked on the all-gather)."""
+        self.part_of: Unit | None = None
+        """For a frozen part (see [Note: frozen parts]): the unit with its module's trainable parameters."""
+        self.frozen_part: Unit | None = None
+        """The frozen part ``shard`` split off this unit's module, if any."""
+        self._input_hooks: list[Any] = []
+        """This step's input hooks; see [Note: resharding frozen units early]."""
+        self._inputs_need_grad = False
+        """Whether a forward of this step watched inputs that require grad."""
         if flat.requires_grad:
             flat.unsharded.register_post_accumulate_grad_hook(self._post_backward)
+
+    def add_frozen_part(self, part: "Unit", *, is_root: bool) -> None:
+        """Pair this unit with the frozen part split off its module; see [Note: frozen parts]."""
+        assert part.module is self.module and self.frozen_part is None and part.part_of is None
+        self.frozen_part, part.part_of = part, self
+        if is_root:  # gathered with the root from forward into backward
+            part.reshard_after_forward = False
+
+    @property
+    def expects_grad(self) -> bool:
+        """Whether a gradient can reach the flat leaf: some parameter requires grad."""
+        return any(p.requires_grad for p in self.flat.params)
 
     # -- sharded state ---------------------------------------------------------------------------
 
@@ -226,15 +265,51 @@ class Unit:
         if not torch.is_grad_enabled():
             self.reshard()
             return output
-        if self.reshard_after_forward and not self.runtime.is_root(self):
-            self.reshard()
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if (self.reshard_after_forward and not self.runtime.is_root(self)) or not (tensors or self.expects_grad):
+            self.reshard()  # the second case: no backward will pass here, see [Note: resharding frozen units early]
         else:
             self.views_version = self.flat.unsharded._version
-        tensors, _ = tree_flatten(output)
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(self._pre_backward)
+            t.register_hook(self._pre_backward)
         return output
+
+    def watch_inputs(self, args: tuple, kwargs: dict) -> None:
+        """Called by the forward pre-hook after :meth:`pre_forward`: a unit that expects no gradient
+        frees its buffer once backward passed its inputs; see [Note: resharding frozen units early]."""
+        if not torch.is_grad_enabled() or self.expects_grad:
+            return
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs:
+            self._inputs_need_grad = True
+            self._input_hooks.append(torch.autograd.graph.register_multi_grad_hook(inputs, self._inputs_done))
+
+    def _inputs_done(self, grads: Sequence[torch.Tensor | None]) -> None:
+        self._reshard_if_passed()
+
+    def _trainable_part_done(self) -> None:
+        """The trainable part of this frozen part's module got its gradient."""
+        if not self._inputs_need_grad:
+            self._reshard_if_passed()
+
+    def _reshard_if_passed(self) -> None:
+        """Free the buffer of a unit that expects no gradient, now that backward has passed it."""
+        if self.sharded_state is ShardedState.SHARDED or self.prefetched or self.expects_grad:
+            return
+        part = self.part_of
+        if part is not None and part.expects_grad and part.training_state is not TrainingState.POST_BACKWARD:
+            return  # the module's backward goes on until its trainable part has its gradient
+        started = time.perf_counter()
+        self.reshard()
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            self.training_state = TrainingState.IDLE  # another pass through the module gathers again
+        self.hook_seconds += time.perf_counter() - started
+
+    def _stop_watching(self) -> None:
+        for handle in self._input_hooks:
+            handle.remove()
+        self._input_hooks.clear()
+        self._inputs_need_grad = False
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -266,6 +341,8 @@ class Unit:
         self.reshard()
         self.training_state = TrainingState.POST_BACKWARD
         self.hook_seconds += time.perf_counter() - started
+        if self.frozen_part is not None:
+            self.frozen_part._trainable_part_done()
 
     def finish_backward(self) -> None:
         """End of backward: reduce what no hook reduced, free the buffer, go back to IDLE."""
@@ -274,9 +351,11 @@ class Unit:
                 self.reduction.reduce(None, SyncMode.SYNC)
         self.reshard()
         self.training_state = TrainingState.IDLE
+        self._stop_watching()
 
     def abort_backward(self) -> None:
         """After a backward that raised: drop its unreduced gradient, free the buffer, go back to IDLE."""
         self.flat.unsharded.grad = None
         self.reshard()
         self.training_state = TrainingState.IDLE
+        self._stop_watching()

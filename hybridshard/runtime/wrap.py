@@ -14,13 +14,29 @@ A policy is one of:
 The root module is always a unit with the model's strategy; a parameter belongs to the nearest
 enclosing unit, and a parameter used by modules of two units (tied across units) belongs to the
 root unit, which stays gathered for the whole forward and backward.
+
+[Note: frozen parts]
+A unit that mixes frozen and trainable parameters (a frozen base ``Linear`` with small trainable
+LoRA adapters in one block) would build, reduce and keep a gradient for its whole padded flat
+buffer, zeros included. :func:`split_frozen` makes such a unit two units over the same module: the
+trainable parameters keep the unit's name and reduce gradients as any unit does; the frozen ones
+form ``"<name>[frozen]"``, placed right after it, which never builds a gradient and is freed as
+soon as backward is done with the module (see [Note: resharding frozen units early] in
+:mod:`hybridshard.runtime.unit`). Both register their hooks on the module, in that order, so one
+call gathers both and a ZeRO-3 forward frees both; the root's frozen part stays gathered into
+backward like the root. The split costs one more all-gather per gather of the module, so it is made
+only where the frozen parameters hold at least ``threshold`` of the unit's elements (``shard``'s
+``split_frozen``, 0.5 by default: the gradient bytes saved are then at least those still reduced);
+a unit with a few frozen elements (a gate, a frozen norm) stays whole. Names, state dicts, optimizer
+state and checkpoints are per parameter and do not see the split. A frozen parameter unfrozen after
+``shard`` gets its gradient through its frozen part, whose flat leaf requires grad like every unit's.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Union
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Mapping, Sequence, Union
 
 import torch.nn as nn
 
@@ -28,7 +44,7 @@ from hybridshard.runtime.strategy import ShardingStrategy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UnitSpec", "WrapPolicy", "plan_units"]
+__all__ = ["UnitSpec", "WrapPolicy", "plan_units", "split_frozen"]
 
 StrategyLike = Union[ShardingStrategy, str, None]
 WrapPolicy = Union[
@@ -54,6 +70,8 @@ class UnitSpec:
     """``(alias name, primary name)`` for tied parameters."""
     strategy: ShardingStrategy | None = None
     """The unit's own strategy; ``None`` means the model's (always so for the root unit)."""
+    part_of: str | None = None
+    """For a frozen part, the name of the unit holding the same module's trainable parameters; see [Note: frozen parts]."""
 
 
 # A classifier maps a module to (is it a unit, its strategy or None for the model's).
@@ -190,3 +208,33 @@ def plan_units(model: nn.Module, wrap: WrapPolicy) -> list[UnitSpec]:
         )
     logger.debug("units: %s", [(s.name or "<root>", s.strategy and s.strategy.name, len(s.params)) for s in specs])
     return specs
+
+
+def split_frozen(specs: Sequence[UnitSpec], threshold: float | None) -> list[UnitSpec]:
+    """Split each unit whose frozen parameters hold at least ``threshold`` of its elements (and that has
+    trainable ones too) into its trainable and its frozen part; ``None`` splits nothing. See [Note: frozen parts]."""
+    out: list[UnitSpec] = []
+    for spec in specs:
+        frozen = [not p.requires_grad for p in spec.params]
+        frozen_numel = sum(p.numel() for p, f in zip(spec.params, frozen) if f)
+        total = sum(p.numel() for p in spec.params)
+        if threshold is None or all(frozen) or not any(frozen) or frozen_numel < threshold * total:
+            out.append(spec)
+            continue
+        out += [_part(spec, [not f for f in frozen]), _part(spec, frozen, frozen_of=spec.name or "<root>")]
+    logger.debug("units after splitting frozen parts: %s", [s.name or "<root>" for s in out])
+    return out
+
+
+def _part(spec: UnitSpec, keep: list[bool], frozen_of: str | None = None) -> UnitSpec:
+    names = {n for n, k in zip(spec.param_names, keep) if k}
+    pick = lambda values: tuple(v for v, k in zip(values, keep) if k)  # noqa: E731
+    return replace(
+        spec,
+        name=spec.name if frozen_of is None else f"{frozen_of}[frozen]",
+        param_names=pick(spec.param_names),
+        params=pick(spec.params),
+        bindings=pick(spec.bindings),
+        aliases=tuple(a for a in spec.aliases if a[1] in names),
+        part_of=frozen_of,
+    )
