@@ -121,9 +121,11 @@ def shard(
         build_unit(spec, s, by_strategy[s], mixed_precision, device, rank0_index.get(id(by_strategy[s])), runtime)
         for spec, s in zip(specs, strategies)
     ]
+    unit_modules = {id(u.module) for u in units}
     for i, spec in enumerate(specs):
         if spec.part_of is not None:  # right after its trainable part; see [Note: frozen parts]
-            units[i - 1].add_frozen_part(units[i], is_root=i == 1)
+            holds = any(id(m) in unit_modules for m in spec.module.modules() if m is not spec.module)
+            units[i - 1].add_frozen_part(units[i], is_root=i == 1, holds_units=holds)
     root_groups = by_strategy[strategies[0]]
     for buf in model.buffers():
         buf.data = buf.data.to(device)

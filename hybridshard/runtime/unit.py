@@ -46,19 +46,25 @@ A unit whose parameters are all frozen gets no gradient, so no post-accumulate-g
 gathered for its backward, it would stay so until the end of backward, and every such unit would be
 gathered at once. So its forward pre-hook (:meth:`Unit.watch_inputs`, with grad enabled, in a
 recomputation too) registers one multi-grad hook on the floating inputs (args and kwargs) that
-require grad; it fires once autograd has computed all of their gradients, that is once backward
-has run every op of the unit between its outputs and those inputs, and the unit frees its buffer
-and goes back to ``IDLE`` (a later pass, through another forward's outputs, gathers it again). A
-frozen part split off a module (see [Note: frozen parts] in :mod:`hybridshard.runtime.wrap`) also
-waits for its trainable part's gradient, or, when no input requires grad (the first block after a
-frozen embedding), frees on that gradient alone: the module's backward then runs only the ops that
-lead to it. The forms of checkpointing: non-reentrant recomputation runs inside the pass the hooks
-watch; a reentrant one registers on the recomputed inputs, whose hook fires when the nested
-backward has passed them. A forward whose outputs need no gradient leaves nothing to keep gathered
-(the root and ZeRO-2 units included): the unit frees at once. Unit parameters are the only tensors
-watched: one that reaches the unit other than through its arguments (an attribute, a closure) and
-requires grad is not, so such a unit must not be all frozen. Hooks are dropped at the end of
-backward; units that expect a gradient register none (their post-accumulate-grad hook frees them).
+require grad; it fires once autograd has computed all of their gradients, that is once backward has
+run every op of the unit between its outputs and those inputs, and the unit frees its buffer and
+goes back to ``IDLE`` (a later pass, through another forward's outputs, gathers it again). A frozen
+part split off a module (see [Note: frozen parts] in :mod:`hybridshard.runtime.wrap`) also waits for
+its trainable part's gradient, or, when no input requires grad (the first block after a frozen
+embedding), frees on that gradient alone: every op of the module that backward runs then leads to
+it, and autograd completes it only after all of them. A module that holds other units (the root)
+keeps its frozen part until the end of backward: the ops of those units lead to their own gradients,
+not to its. The forms of checkpointing: non-reentrant recomputation runs inside the pass the hooks
+watch; a reentrant one registers on the recomputed inputs, whose hook fires when the nested backward
+has passed them. A forward whose outputs need no gradient leaves nothing to keep gathered (the root
+and ZeRO-2 units included): the unit frees at once. Only the arguments are watched: an all-frozen
+unit must not compute with a tensor that requires grad and reaches it another way (a module
+attribute, a closure), since backward could still need the unit's parameters for that tensor's
+gradient after its inputs' gradients are done. An input that is the previous unit's output carries
+that unit's pre-backward hook, registered earlier: it is moved behind the input hook, so that this
+unit is freed before the previous one gathers and prefetches the next (or three units would be
+gathered at once with ``prefetch=1``). Hooks are dropped at the end of backward; units that expect a
+gradient register none (their post-accumulate-grad hook frees them).
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from hybridshard.runtime import collectives as C
 from hybridshard.runtime.changes import check_unchanged
@@ -84,6 +91,9 @@ from hybridshard.topology.groups import ShardGroups
 logger = logging.getLogger(__name__)
 
 __all__ = ["ShardedState", "TrainingState", "Unit"]
+
+_OUTPUT_HOOKS = WeakTensorKeyDictionary()
+"""Per output tensor, ``[(hook, handle)]`` of the pre-backward hooks units registered on it."""
 
 
 class ShardedState(enum.Enum):
@@ -152,13 +162,17 @@ class Unit:
         """This step's input hooks; see [Note: resharding frozen units early]."""
         self._inputs_need_grad = False
         """Whether a forward of this step watched inputs that require grad."""
+        self._free_with_part = False
+        """A frozen part of a module holding no other unit: its trainable part's gradient may free it."""
         if flat.requires_grad:
             flat.unsharded.register_post_accumulate_grad_hook(self._post_backward)
 
-    def add_frozen_part(self, part: "Unit", *, is_root: bool) -> None:
-        """Pair this unit with the frozen part split off its module; see [Note: frozen parts]."""
+    def add_frozen_part(self, part: "Unit", *, is_root: bool, holds_units: bool) -> None:
+        """Pair this unit with the frozen part split off its module (``holds_units``: the module
+        contains other units' modules); see [Note: frozen parts]."""
         assert part.module is self.module and self.frozen_part is None and part.part_of is None
         self.frozen_part, part.part_of = part, self
+        part._free_with_part = not holds_units
         if is_root:  # gathered with the root from forward into backward
             part.reshard_after_forward = False
 
@@ -194,6 +208,8 @@ class Unit:
         self._gathering = self._gather(async_op=True)
         self.sharded_state = ShardedState.GATHERING
         self.prefetched = True
+        if self.frozen_part is not None:  # the module computes with both: one step ahead, not half a one
+            self.frozen_part.prefetch()
         return True
 
     def _gather(self, async_op: bool = False) -> C.Pending | None:
@@ -271,25 +287,32 @@ class Unit:
         else:
             self.views_version = self.flat.unsharded._version
         for t in tensors:
-            t.register_hook(self._pre_backward)
+            _OUTPUT_HOOKS.setdefault(t, []).append((self._pre_backward, t.register_hook(self._pre_backward)))
         return output
 
     def watch_inputs(self, args: tuple, kwargs: dict) -> None:
         """Called by the forward pre-hook after :meth:`pre_forward`: a unit that expects no gradient
         frees its buffer once backward passed its inputs; see [Note: resharding frozen units early]."""
-        if not torch.is_grad_enabled() or self.expects_grad:
+        if not torch.is_grad_enabled():
             return
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if inputs:
+        if inputs and not self.expects_grad:
             self._inputs_need_grad = True
             self._input_hooks.append(torch.autograd.graph.register_multi_grad_hook(inputs, self._inputs_done))
+            for t in inputs:
+                # An input is often the previous unit's output: move that unit's pre-backward hook
+                # behind this one, so this unit is freed before that one gathers (and prefetches).
+                hooks = _OUTPUT_HOOKS.get(t, [])
+                for i, (hook, handle) in enumerate(hooks):
+                    handle.remove()
+                    hooks[i] = (hook, t.register_hook(hook))
 
     def _inputs_done(self, grads: Sequence[torch.Tensor | None]) -> None:
         self._reshard_if_passed()
 
     def _trainable_part_done(self) -> None:
         """The trainable part of this frozen part's module got its gradient."""
-        if not self._inputs_need_grad:
+        if self._free_with_part and not self._inputs_need_grad:
             self._reshard_if_passed()
 
     def _reshard_if_passed(self) -> None:

@@ -20,16 +20,18 @@ A unit that mixes frozen and trainable parameters (a frozen base ``Linear`` with
 LoRA adapters in one block) would build, reduce and keep a gradient for its whole padded flat
 buffer, zeros included. :func:`split_frozen` makes such a unit two units over the same module: the
 trainable parameters keep the unit's name and reduce gradients as any unit does; the frozen ones
-form ``"<name>[frozen]"``, placed right after it, which never builds a gradient and is freed as
-soon as backward is done with the module (see [Note: resharding frozen units early] in
+form ``"<name>[frozen]"``, placed right after it, which never builds a gradient and is freed as soon
+as backward is done with the module (see [Note: resharding frozen units early] in
 :mod:`hybridshard.runtime.unit`). Both register their hooks on the module, in that order, so one
-call gathers both and a ZeRO-3 forward frees both; the root's frozen part stays gathered into
-backward like the root. The split costs one more all-gather per gather of the module, so it is made
-only where the frozen parameters hold at least ``threshold`` of the unit's elements (``shard``'s
-``split_frozen``, 0.5 by default: the gradient bytes saved are then at least those still reduced);
-a unit with a few frozen elements (a gate, a frozen norm) stays whole. Names, state dicts, optimizer
-state and checkpoints are per parameter and do not see the split. A frozen parameter unfrozen after
-``shard`` gets its gradient through its frozen part, whose flat leaf requires grad like every unit's.
+call gathers both and a ZeRO-3 forward frees both; prefetching the trainable part gathers the frozen
+part too (the prefetch depth counts modules, as before the split); the root's frozen part stays
+gathered into backward like the root. The split costs one more all-gather per gather of the module,
+so it is made only where the frozen parameters hold at least ``threshold`` of the unit's elements
+(``shard``'s ``split_frozen``, 0.5 by default: the gradient bytes saved are then at least those
+still reduced); a unit with a few frozen elements (a gate, a frozen norm) stays whole. Names, state
+dicts, optimizer state and checkpoints are per parameter and do not see the split. A frozen
+parameter unfrozen after ``shard`` gets its gradient through its frozen part, whose flat leaf
+requires grad like every unit's.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ class UnitSpec:
     strategy: ShardingStrategy | None = None
     """The unit's own strategy; ``None`` means the model's (always so for the root unit)."""
     part_of: str | None = None
-    """For a frozen part, the name of the unit holding the same module's trainable parameters; see [Note: frozen parts]."""
+    """For a frozen part, the name of the unit with the same module's trainable parameters; see
+    [Note: frozen parts]."""
 
 
 # A classifier maps a module to (is it a unit, its strategy or None for the model's).
