@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybridshard.runtime import agreement, faults, watchdog
+from hybridshard.runtime.handoff import hand_off
 from hybridshard.runtime.counters import CollectiveCounts, record
 from hybridshard.topology.groups import group_name
 
@@ -123,7 +124,8 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     if group_size(group) == 1:
         output.copy_(shard)
         return _local(async_op)
-    return _run("all_gather", group, shard, lambda a: _ALL_GATHER(output, shard, group=group, async_op=a),
+    out, inp = hand_off(output, shard)  # see [Note: tensors handed to a backend thread]
+    return _run("all_gather", group, shard, lambda a: _ALL_GATHER(out, inp, group=group, async_op=a),
                 stats=stats, async_op=async_op)
 
 
@@ -182,14 +184,16 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
         output.copy_(full)
         return _local(async_op)
     if not _sums_locally(output, full, group, n):
+        out, inp = hand_off(output, full)
         return _run("reduce_scatter", group, full,
-                    lambda a: _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=group, async_op=a),
+                    lambda a: _REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=a),
                     stats=stats, async_op=async_op)
     # Counted as the reduce-scatter it is (input: the full tensor), not as an all-to-all.
     received = torch.empty_like(full)
     rank = dist.get_rank(group)
+    out, inp = hand_off(received, full)  # the receive buffer is a temporary: see the Note
     return _run("reduce_scatter", group, full,
-                lambda a: dist.all_to_all_single(received, full, group=group, async_op=a),
+                lambda a: dist.all_to_all_single(out, inp, group=group, async_op=a),
                 stats=stats, async_op=async_op, then=lambda: _sum_received(output, received, n, rank))
 
 
@@ -198,7 +202,8 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.Re
     """Reduce ``tensor`` in place over the group (``op`` defaults to a sum)."""
     if group_size(group) == 1:
         return _local(async_op)
-    return _run("all_reduce", group, tensor, lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a),
+    (alias,) = hand_off(tensor)
+    return _run("all_reduce", group, tensor, lambda a: dist.all_reduce(alias, op=op, group=group, async_op=a),
                 stats=stats, async_op=async_op)
 
 
@@ -208,8 +213,9 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     if group_size(group) == 1:
         output.copy_(input)
         return _local(async_op)
+    out, inp = hand_off(output, input)
     return _run("all_to_all", group, input,
-                lambda a: dist.all_to_all_single(output, input, group=group, async_op=a),
+                lambda a: dist.all_to_all_single(out, inp, group=group, async_op=a),
                 stats=stats, async_op=async_op)
 
 
@@ -217,4 +223,5 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -
     """Copy global rank ``src``'s ``tensor`` to every member of the group."""
     if group_size(group) == 1:
         return
-    _run("broadcast", group, tensor, lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a))
+    (alias,) = hand_off(tensor)
+    _run("broadcast", group, tensor, lambda a: dist.broadcast(alias, src=src, group=group, async_op=a))
