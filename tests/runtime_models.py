@@ -99,6 +99,8 @@ class Config:
     """``shard(overlap_grads=...)``: gradient collectives left running through backward."""
     compression: str | None = None
     """``shard(replicate_compression=...)``."""
+    executor: str | None = None
+    """``shard(executor=...)``: "threads", "streams" or None (the default choice)."""
 
     @property
     def num_blocks(self) -> int:
@@ -245,7 +247,8 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, keep_low_precision_grads=cfg.low_precision_grads
         )
     hs.shard(model, strategy=cfg.strategy, groups=groups(), wrap=wrap_policy(cfg, model), mixed_precision=mp,
-             prefetch=cfg.prefetch, overlap_grads=cfg.overlap_grads, replicate_compression=cfg.compression)
+             prefetch=cfg.prefetch, overlap_grads=cfg.overlap_grads, replicate_compression=cfg.compression,
+             executor=cfg.executor)
     opt = make_optimizer(cfg, model.parameters())
     losses, norms, counts, clip_counts = [], [], [], []
     grad_dtypes: set[str] = set()

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridshard.runtime import faults, watchdog
+from hybridshard.runtime import faults, issue_order, watchdog
 from hybridshard.runtime.position import PHASES, current_where
 from hybridshard.topology.groups import collective_device, group_ranks
 
@@ -77,6 +77,7 @@ def check(kind: str, group_label: str, group: dist.ProcessGroup, tensor: torch.T
     )
     size = dist.get_world_size(group)
     everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=tensor.device)
+    issue_order.note(group_label, "all_gather", mine)
     _ALL_GATHER(everyone, mine, group=group)
     rows = everyone.view(size, -1).tolist()
     if all(row == rows[0] for row in rows):
@@ -165,6 +166,7 @@ def issue_step_check(pass_name: str, *, mode: str, num_units: int, order_digest:
     )
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=mine.device)
     token = watchdog.begin("step check", "world", dist.group.WORLD, mine.numel())
+    issue_order.note("world", "all_gather", mine)
     try:
         work = _ALL_GATHER(everyone, mine, async_op=True)  # the default group: the whole job
     except RuntimeError as err:
