@@ -14,6 +14,7 @@ from hybridshard.runtime.api import shard
 from hybridshard.runtime.counters import count_collectives
 from hybridshard.runtime.engine import no_sync
 from hybridshard.runtime.grad_norm import clip_grad_norm_
+from hybridshard.runtime.grad_scaler import ShardedGradScaler
 from hybridshard.runtime.layout import FlatLayout
 from hybridshard.runtime.stats import comm_stats
 from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FlatLayout",
     "MixedPrecision",
+    "ShardedGradScaler",
     "ShardedState",
     "ShardingStrategy",
     "TrainingState",
