@@ -16,6 +16,7 @@ from hybridshard.runtime.engine import no_sync
 from hybridshard.runtime.grad_norm import clip_grad_norm_
 from hybridshard.runtime.grad_scaler import ShardedGradScaler
 from hybridshard.runtime.layout import FlatLayout
+from hybridshard.runtime.offload import CPUOffload
 from hybridshard.runtime.stats import comm_stats
 from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.runtime.unit import ShardedState, TrainingState
@@ -29,6 +30,7 @@ from hybridshard.state.replicas import ReplicaDivergence, check_replicas, maybe_
 __version__ = "0.1.0"
 
 __all__ = [
+    "CPUOffload",
     "FlatLayout",
     "MixedPrecision",
     "ShardedGradScaler",

@@ -101,6 +101,8 @@ class Config:
     """``shard(replicate_compression=...)``."""
     executor: str | None = None
     """``shard(executor=...)``: "threads", "streams" or None (the default choice)."""
+    offload: bool = False
+    """``shard(offload=hs.CPUOffload())``."""
     fp16: bool = False
     """With ``bf16``: compute in fp16 instead, reduce in fp16 (split division), ``hs.ShardedGradScaler``."""
 
@@ -253,7 +255,7 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
                                keep_low_precision_grads=cfg.low_precision_grads)
     hs.shard(model, strategy=cfg.strategy, groups=groups(), wrap=wrap_policy(cfg, model), mixed_precision=mp,
              prefetch=cfg.prefetch, overlap_grads=cfg.overlap_grads, replicate_compression=cfg.compression,
-             executor=cfg.executor)
+             executor=cfg.executor, offload=hs.CPUOffload() if cfg.offload else None)
     opt = make_optimizer(cfg, model.parameters())
     scaler = hs.ShardedGradScaler("cpu", init_scale=2.0**10) if cfg.fp16 else None
     losses, norms, counts, clip_counts = [], [], [], []

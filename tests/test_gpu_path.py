@@ -39,6 +39,8 @@ MATRIX = [
     replace(_S, strategy="SHARD_GRAD_OP", micro_steps=2, reduce_scatter_micro=True, checkpoint=True),
     replace(_S, bf16=True),
     replace(_S, block_strategies=("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD")),
+    replace(_S, offload=True),
+    replace(_S, bf16=True, offload=True),
 ]
 EXECUTORS = ("threads", "streams")
 
@@ -50,6 +52,7 @@ def _label(c: RM.Config) -> str:
     parts += [c.compression] if c.compression else []
     parts += ["bf16"] if c.bf16 else []
     parts += ["mixed-" + "-".join(c.block_strategies)] if c.block_strategies else []
+    parts += ["offload"] if c.offload else []
     return "-".join(parts)
 
 
@@ -108,6 +111,16 @@ def test_stream_executor_issue_order_and_results(sweep, index):
     if cfg.compression is None:
         tol = dict(atol=2e-3, rtol=2e-3) if cfg.bf16 else dict(atol=1e-5, rtol=1e-5)
         RM.compare(RM.reference_run(cfg, WORLD), streams[0], label=_label(cfg), **tol)
+
+
+@pytest.mark.parametrize("index", [i for i, c in enumerate(MATRIX) if c.offload], ids=lambda i: _label(MATRIX[i]))
+def test_cpu_offload_is_a_no_op_on_cpu(sweep, index):
+    """On a CPU device the master already lives in CPU memory: bitwise the run without offload."""
+    plain = MATRIX.index(replace(MATRIX[index], offload=False))
+    for executor in EXECUTORS:
+        for a, b in zip(sweep[(executor, index)], sweep[(executor, plain)]):
+            assert a["losses"] == b["losses"] and a["counts"] == b["counts"]
+            assert all(torch.equal(a["state"][k], v) for k, v in b["state"].items())
 
 
 def test_thread_executor_reduces_on_its_thread(sweep):
@@ -210,3 +223,37 @@ def test_sharded_scaler_skips_on_every_rank_together(pool):
     # torch's own scaler sees the inf on rank 1 only: that rank skips, the others step.
     plain = pool.run(skip_on_one_rank, False)
     assert [g["scale"] for g in plain] == [256.0, 128.0, 256.0, 256.0], plain
+
+
+# -- choices and their errors ------------------------------------------------------------------------
+
+def test_executor_choice(monkeypatch):
+    from hybridshard.runtime.executor import ENV, ExecutorKind, resolve_executor
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.delenv(ENV, raising=False)
+    assert resolve_executor(None, cpu) is ExecutorKind.THREADS
+    assert resolve_executor(None, cuda) is ExecutorKind.STREAMS
+    assert resolve_executor("Streams", cpu) is ExecutorKind.STREAMS
+    monkeypatch.setenv(ENV, "streams")
+    assert resolve_executor(None, cpu) is ExecutorKind.STREAMS
+    assert resolve_executor("threads", cpu) is ExecutorKind.THREADS  # the argument wins
+    monkeypatch.setenv(ENV, "fibers")
+    with pytest.raises(ValueError, match=r"^HYBRIDSHARD_EXECUTOR must be one of 'auto', 'threads', 'streams'; got 'fibers'"):
+        resolve_executor(None, cpu)
+    with pytest.raises(ValueError, match=r"^executor='threads' runs on CPU tensors only, but the model is on cuda:0; use"):
+        resolve_executor("threads", cuda)
+
+
+def test_offload_and_scaler_arguments():
+    import hybridshard as hs
+    from hybridshard.runtime.offload import parse_offload
+
+    assert parse_offload(None) is None and parse_offload(False) is None
+    assert parse_offload(True) == hs.CPUOffload() and hs.CPUOffload().pin_memory
+    with pytest.raises(ValueError, match=r"^offload must be a hybridshard.CPUOffload, True, False or None; got 'cpu'"):
+        parse_offload("cpu")
+    with pytest.raises(ValueError, match=r"^CPUOffload.pin_memory must be True or False; got 1"):
+        hs.CPUOffload(pin_memory=1)
+    with pytest.raises(ValueError, match=r"^ShardedGradScaler device must be 'cuda' or 'cpu'"):
+        hs.ShardedGradScaler("mps")

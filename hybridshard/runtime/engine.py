@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_map
 from hybridshard.runtime import agreement
 from hybridshard.runtime.counters import CollectiveCounts
 from hybridshard.runtime.executor import ExecutorKind, make_executor
+from hybridshard.runtime.offload import CPUOffload
 from hybridshard.runtime.position import where
 from hybridshard.runtime.prefetch import Pass, Prefetcher
 from hybridshard.runtime.reduce import SyncMode
@@ -67,8 +68,11 @@ class Runtime:
         compressor: Any = None,
         check_steps: bool = True,
         executor: ExecutorKind = ExecutorKind.THREADS,
+        offload: CPUOffload | None = None,
     ) -> None:
         self.model = model
+        self.offload = offload
+        """Where the units keep their master shards; see [Note: CPU offload] in :mod:`hybridshard.runtime.offload`."""
         self.check_steps = check_steps
         """Compare every rank's step before each forward and backward; see [Note: step check]."""
         self._pending_check: agreement.StepCheck | None = None

@@ -88,7 +88,7 @@ class GradReduction:
         groups, flat, reduce_dtype = unit.groups, unit.flat, unit.reduce_dtype
         layout = flat.layout
         if grad is None:
-            grad = torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=flat.sharded.device)
+            grad = torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=flat.device)
         elif grad.dtype != reduce_dtype:
             grad = grad.to(reduce_dtype)
         if self.pending_full is not None:

@@ -221,7 +221,7 @@ class Unit:
         if self.groups.shard_size > 1:
             return self.runtime.executor.gather(self.flat.unsharded.data, self.flat.gather_input, self.groups.shard,
                                                 stats=self.runtime.stats, async_op=async_op)
-        self.flat.unsharded.data.copy_(self.flat.sharded)
+        self.flat.unsharded.data.copy_(self.flat.sharded, non_blocking=True)  # from pinned memory if offloaded
         return C.DONE
 
     def reshard(self) -> None:
