@@ -2,7 +2,7 @@
 
 Every rank discovers its GPU through ``init_groups()`` (real NVML), shards the runtime tests' model
 on CUDA with each strategy in five variants (fp32, activation checkpointing, bf16, fp16 with
-``hs.ShardedGradScaler``, CPU offload), trains a few steps on its share of the global batch, and
+``hs.ShardedGradScaler``, CPU offload with gradient clipping), trains a few steps on its share of the global batch, and
 compares the losses and every parameter with the single-process CPU reference of
 ``tests.runtime_models``. Every run must use the stream executor with real streams, issue each
 communicator's collectives from one thread per phase, and (two ranks) in the same order on every
@@ -50,7 +50,7 @@ def config(strategy: str, variant: str) -> RM.Config:
         "ckpt": replace(base, checkpoint=True),
         "bf16": replace(base, bf16=True, optimizer="sgd"),
         "fp16": replace(base, bf16=True, fp16=True, optimizer="sgd"),
-        "offload": replace(base, offload=True),
+        "offload": replace(base, offload=True, clip=1.0),
     }[variant]
 
 
@@ -71,13 +71,15 @@ def run(cfg: RM.Config, groups: hs.ShardGroups) -> dict:
     opt = RM.make_optimizer(cfg, model.parameters())
     scaler = hs.ShardedGradScaler("cuda", init_scale=2.0**10) if cfg.fp16 else None
     torch.cuda.reset_peak_memory_stats(device)
-    losses = []
+    losses, norms = [], []
     with record_issue_order() as log:
         for step in range(cfg.steps):
             opt.zero_grad(set_to_none=True)
             tokens = RM.batch(step, 0, rank, cfg.micro_batch).to(device)
             loss = RM.lm_loss(model(tokens), tokens)
             (scaler.scale(loss) if scaler is not None else loss).backward()
+            if cfg.clip is not None:  # offloaded: gradients on the CPU, the norm's all-reduce on the GPU
+                norms.append(float(hs.clip_grad_norm_(model, cfg.clip)))
             if scaler is not None:
                 scaler.step(opt)
                 scaler.update()
@@ -90,7 +92,7 @@ def run(cfg: RM.Config, groups: hs.ShardGroups) -> dict:
     state = {k: v.detach().cpu() for k, v in hs.full_state_dict(model).items()}
     threads = {f"{g}/{p}": sorted(t) for (g, p), t in log.threads_per_phase().items()}
     assert all(len(t) == 1 for t in threads.values()), f"a communicator had several issuing threads: {threads}"
-    return {"losses": losses, "norms": [], "state": state, "peak": torch.cuda.max_memory_allocated(device),
+    return {"losses": losses, "norms": norms, "state": state, "peak": torch.cuda.max_memory_allocated(device),
             "threads": threads, "order": log.signatures()}
 
 
