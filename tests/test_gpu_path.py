@@ -58,7 +58,7 @@ def _label(c: RM.Config) -> str:
 
 def run_recorded(configs: list[RM.Config]) -> list[dict]:
     """Each config under the issue-order recorder; results, the order and the issuing threads."""
-    from hybridshard.runtime.issue_order import record_issue_order
+    from hybridshard import record_issue_order
 
     out = []
     for cfg in configs:
@@ -121,6 +121,40 @@ def test_cpu_offload_is_a_no_op_on_cpu(sweep, index):
         for a, b in zip(sweep[(executor, index)], sweep[(executor, plain)]):
             assert a["losses"] == b["losses"] and a["counts"] == b["counts"]
             assert all(torch.equal(a["state"][k], v) for k, v in b["state"].items())
+
+
+def watch_stream_jobs(num_blocks: int = 4) -> dict:
+    """Stream executor, HYBRID_SHARD: at each post-backward hook, how many earlier jobs still hold their
+    unsharded gradient, and the jobs' states after the backward."""
+    import hybridshard as hs
+    from hybridshard.runtime.overlap import JobState
+
+    model = RM.make_model(num_blocks=num_blocks)
+    hs.shard(model, strategy="HYBRID_SHARD", groups=RM.groups(), wrap={RM.Block}, executor="streams")
+    runtime = model._hybridshard_runtime
+    jobs_seen, holding = [], []
+    for unit in runtime.units:
+        original = unit._post_backward
+
+        def post(leaf, original=original):
+            holding.append(sum(job.full is not None for job in runtime.executor._jobs))
+            original(leaf)
+            jobs_seen.extend(j for j in runtime.executor._jobs if j not in jobs_seen)
+        unit.flat.unsharded._post_accumulate_grad_hooks.clear()
+        unit.flat.unsharded.register_post_accumulate_grad_hook(post)
+    tokens = RM.batch(0, 0, 0, 2)
+    RM.lm_loss(model(tokens), tokens).backward()
+    return {"holding": holding, "states": [j.state is JobState.REDUCED and j.full is None for j in jobs_seen],
+            "left": len(runtime.executor._jobs), "kind": runtime.executor.kind}
+
+
+def test_stream_executor_keeps_at_most_two_unsharded_gradients(pool):
+    """Before each post-backward hook at most one earlier gradient is still held (the one whose
+    reduce-scatter the compute stream has not waited for yet); after backward every job is done."""
+    for got in pool.run(watch_stream_jobs):
+        assert got["kind"] == "streams"
+        assert len(got["holding"]) == 5 and max(got["holding"]) == 1 and got["holding"][0] == 0, got["holding"]
+        assert got["states"] == [True] * 5 and got["left"] == 0, got
 
 
 def test_thread_executor_reduces_on_its_thread(sweep):
