@@ -67,18 +67,6 @@ class Fence:
         elif self._pending is not None:
             self._pending.wait()
 
-    def synchronize(self) -> None:
-        """Block the host until it is done."""
-        if self._event is not None:
-            self._event.synchronize()
-        elif self._pending is not None:
-            self._pending.wait()
-
-    def is_completed(self) -> bool:
-        if self._event is not None:
-            return bool(self._event.query())
-        return self._pending is None or self._pending.is_completed()
-
 
 class StreamSet:
     """The three side streams of one device ("all_gather", "reduce_scatter", "all_reduce"); on CPU, none."""
