@@ -14,7 +14,10 @@ from hybridshard.runtime.api import shard
 from hybridshard.runtime.counters import count_collectives
 from hybridshard.runtime.engine import no_sync
 from hybridshard.runtime.grad_norm import clip_grad_norm_
+from hybridshard.runtime.grad_scaler import ShardedGradScaler
+from hybridshard.runtime.issue_order import record_issue_order
 from hybridshard.runtime.layout import FlatLayout
+from hybridshard.runtime.offload import CPUOffload
 from hybridshard.runtime.stats import comm_stats
 from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.runtime.unit import ShardedState, TrainingState
@@ -28,8 +31,10 @@ from hybridshard.state.replicas import ReplicaDivergence, check_replicas, maybe_
 __version__ = "0.1.0"
 
 __all__ = [
+    "CPUOffload",
     "FlatLayout",
     "MixedPrecision",
+    "ShardedGradScaler",
     "ShardedState",
     "ShardingStrategy",
     "TrainingState",
@@ -48,6 +53,7 @@ __all__ = [
     "full_state_dict",
     "load_full_state_dict",
     "no_sync",
+    "record_issue_order",
     "shard",
     "ShardGroups",
     "init_groups",

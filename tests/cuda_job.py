@@ -1,10 +1,14 @@
 """The CUDA path end to end, run under torchrun by ``tests/test_cuda.py`` (needs a GPU).
 
 Every rank discovers its GPU through ``init_groups()`` (real NVML), shards the runtime tests' model
-on CUDA with each strategy, trains a few AdamW steps on its share of the global batch, and compares
-the losses and every parameter with the single-process CPU reference of ``tests.runtime_models``.
-Rank 0 writes a JSON summary (max differences, peak CUDA memory, the backend, the groups) to
-``--out``; any mismatch raises, so torchrun exits non-zero.
+on CUDA with each strategy in five variants (fp32, activation checkpointing, bf16, fp16 with
+``hs.ShardedGradScaler``, CPU offload with gradient clipping), trains a few steps on its share of the global batch, and
+compares the losses and every parameter with the single-process CPU reference of
+``tests.runtime_models``. Every run must use the stream executor with real streams, issue each
+communicator's collectives from one thread per phase, and (two ranks) in the same order on every
+rank. Then, per strategy, a larger model's peak CUDA memory is printed next to
+``hybridshard.planning.sizing.memory``. Rank 0 writes a JSON summary to ``--out``; any mismatch
+raises, so torchrun exits non-zero.
 
     torchrun --standalone --nproc-per-node 1 tests/cuda_job.py --backend nccl --out summary.json
     torchrun --standalone --nproc-per-node 2 tests/cuda_job.py --backend gloo --out summary.json
@@ -16,19 +20,38 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hybridshard as hs  # noqa: E402
+from hybridshard.planning.sizing import ModelSpec, memory  # noqa: E402
+from hybridshard.runtime.issue_order import record_issue_order  # noqa: E402
+from hybridshard.runtime.strategy import ShardingStrategy  # noqa: E402
 from tests import runtime_models as RM  # noqa: E402
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
-# CUDA and CPU kernels sum in different orders; TF32 is off, so this is fp32 rounding only.
-TOL = dict(atol=1e-4, rtol=1e-4)
+VARIANTS = ["fp32", "ckpt", "bf16", "fp16", "offload"]
+# CUDA and CPU kernels sum in different orders; TF32 is off, so fp32 differs by rounding only. The
+# low-precision variants step with SGD, whose update follows the gradient's size (AdamW's first
+# steps follow its sign, which rounding flips for gradients near zero).
+TOL = {"fp32": 1e-4, "ckpt": 1e-4, "offload": 1e-4, "bf16": 5e-3, "fp16": 5e-3}
+
+
+def config(strategy: str, variant: str) -> RM.Config:
+    base = RM.Config(strategy=strategy, steps=3)
+    return {
+        "fp32": base,
+        "ckpt": replace(base, checkpoint=True),
+        "bf16": replace(base, bf16=True, optimizer="sgd"),
+        "fp16": replace(base, bf16=True, fp16=True, optimizer="sgd"),
+        "offload": replace(base, offload=True, clip=1.0),
+    }[variant]
 
 
 def run(cfg: RM.Config, groups: hs.ShardGroups) -> dict:
@@ -36,24 +59,86 @@ def run(cfg: RM.Config, groups: hs.ShardGroups) -> dict:
     device = groups.device
     model = RM.make_model(num_blocks=cfg.num_blocks)
     model.checkpoint = cfg.checkpoint
-    hs.shard(model, strategy=cfg.strategy, groups=groups, wrap={RM.Block}, device=device)
-    assert all(p.device == device for p in model.parameters()), "parameters not on the rank's GPU"
+    mp = None
+    if cfg.bf16:
+        mp = hs.MixedPrecision(param_dtype=cfg.low_dtype, reduce_dtype=torch.float16 if cfg.fp16 else torch.float32)
+    hs.shard(model, strategy=cfg.strategy, groups=groups, wrap={RM.Block}, device=device, mixed_precision=mp,
+             offload=hs.CPUOffload() if cfg.offload else None)
+    home = torch.device("cpu") if cfg.offload else device
+    assert all(p.device == home for p in model.parameters()), f"parameters not on {home}"
+    executor = model._hybridshard_runtime.executor
+    assert executor.kind == "streams" and executor.streams.on_cuda, "CUDA must run the stream executor"
     opt = RM.make_optimizer(cfg, model.parameters())
+    scaler = hs.ShardedGradScaler("cuda", init_scale=2.0**10) if cfg.fp16 else None
     torch.cuda.reset_peak_memory_stats(device)
-    losses = []
-    for step in range(cfg.steps):
-        opt.zero_grad(set_to_none=True)
-        tokens = RM.batch(step, 0, rank, cfg.micro_batch).to(device)
-        loss = RM.lm_loss(model(tokens), tokens)
-        loss.backward()
-        hs.clip_grad_norm_(model, 1.0) if cfg.clip else None
-        opt.step()
-        total = loss.detach().reshape(1)
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses, norms = [], []
+    with record_issue_order() as log:
+        for step in range(cfg.steps):
+            opt.zero_grad(set_to_none=True)
+            tokens = RM.batch(step, 0, rank, cfg.micro_batch).to(device)
+            loss = RM.lm_loss(model(tokens), tokens)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if cfg.clip is not None:  # offloaded: gradients on the CPU, the norm's all-reduce on the GPU
+                norms.append(float(hs.clip_grad_norm_(model, cfg.clip)))
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            total = loss.detach().float().reshape(1)
+            dist.all_reduce(total)
+            losses.append(total.item() / world)
     torch.cuda.synchronize(device)
     state = {k: v.detach().cpu() for k, v in hs.full_state_dict(model).items()}
-    return {"losses": losses, "norms": [], "state": state, "peak": torch.cuda.max_memory_allocated(device)}
+    threads = {f"{g}/{p}": sorted(t) for (g, p), t in log.threads_per_phase().items()}
+    assert all(len(t) == 1 for t in threads.values()), f"a communicator had several issuing threads: {threads}"
+    return {"losses": losses, "norms": norms, "state": state, "peak": torch.cuda.max_memory_allocated(device),
+            "threads": threads, "order": log.signatures()}
+
+
+class Mlp(nn.Module):
+    """Eight 1024 x 1024 layers, one unit each: big enough for the state to dominate the peak."""
+
+    def __init__(self, dim: int = 1024, depth: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def shard_size_of(strategy: ShardingStrategy, groups: hs.ShardGroups) -> int:
+    if strategy is ShardingStrategy.NO_SHARD:
+        return 1
+    return groups.shard_size if strategy.is_hybrid else dist.get_world_size()
+
+
+def memory_run(strategy: str, groups: hs.ShardGroups) -> dict:
+    """Peak CUDA bytes of the second AdamW step (optimizer state exists) against the planner."""
+    device = groups.device
+    torch.manual_seed(0)
+    model = Mlp()
+    numels = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    hs.shard(model, strategy=strategy, groups=groups, wrap={nn.Linear}, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(16, 1024, device=device)
+    for step in range(2):
+        if step == 1:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+    torch.cuda.synchronize(device)
+    measured = torch.cuda.max_memory_allocated(device)
+    s = ShardingStrategy[strategy]
+    planned = memory(s, shard_size_of(s, groups), model=ModelSpec(
+        num_params=sum(numels), unit_params=max(numels), root_params=0, param_dtype="fp32", reduce_dtype="fp32"))
+    persistent = planned.params + planned.optimizer  # the master and AdamW's state are alive throughout
+    assert measured >= persistent, f"{strategy}: peak {measured} bytes below the master + optimizer {persistent}"
+    return {"measured_peak_bytes": measured, "planned_bytes": planned.total, "ratio": measured / planned.total}
 
 
 def main() -> None:
@@ -65,6 +150,7 @@ def main() -> None:
     torch.backends.cudnn.allow_tf32 = False
     dist.init_process_group(args.backend, timeout=timedelta(seconds=120))
     groups = hs.init_groups()
+    rank = dist.get_rank()
     summary = {
         "backend": args.backend,
         "world_size": dist.get_world_size(),
@@ -72,19 +158,31 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(groups.device),
         "shard_groups": [list(g) for g in groups.plan.shard_groups],
         "runs": {},
+        "memory": {},
     }
     for strategy in STRATEGIES:
-        for checkpoint in (False, True):
-            cfg = RM.Config(strategy=strategy, steps=3, checkpoint=checkpoint)
+        for variant in VARIANTS:
+            cfg = config(strategy, variant)
             got = run(cfg, groups)
             ref = RM.reference_run(cfg, dist.get_world_size())
-            RM.compare(ref, got, label=f"{strategy} ckpt={checkpoint} rank {dist.get_rank()}", **TOL)
+            label = f"{strategy} {variant} rank {rank}"
+            RM.compare(ref, got, label=label, atol=TOL[variant], rtol=TOL[variant])
+            orders: list = [None] * dist.get_world_size()
+            dist.all_gather_object(orders, got["order"])
+            assert all(o == orders[0] for o in orders), f"{label}: the ranks issued collectives in different orders"
             diff = max((got["state"][k] - v).abs().max().item() for k, v in ref["state"].items())
             loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
-            summary["runs"][f"{strategy}{'-ckpt' if checkpoint else ''}"] = {
+            summary["runs"][f"{strategy}-{variant}"] = {
                 "max_param_diff": diff, "max_loss_diff": loss_diff, "peak_cuda_bytes": got["peak"],
+                "issuing_threads": got["threads"], "collectives": len(got["order"]),
             }
-    if dist.get_rank() == 0:
+    for strategy in STRATEGIES:
+        summary["memory"][strategy] = mem = memory_run(strategy, groups)
+        if rank == 0:
+            print(f"peak CUDA memory {strategy:>18} ({args.backend}, {dist.get_world_size()} rank(s)): "
+                  f"{mem['measured_peak_bytes'] / 2**20:8.1f} MiB measured, {mem['planned_bytes'] / 2**20:8.1f} MiB "
+                  f"planned (hybridshard.planning.sizing.memory), ratio {mem['ratio']:.2f}", flush=True)
+    if rank == 0:
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=1)
     dist.barrier()

@@ -99,6 +99,16 @@ class Config:
     """``shard(overlap_grads=...)``: gradient collectives left running through backward."""
     compression: str | None = None
     """``shard(replicate_compression=...)``."""
+    executor: str | None = None
+    """``shard(executor=...)``: "threads", "streams" or None (the default choice)."""
+    offload: bool = False
+    """``shard(offload=hs.CPUOffload())``."""
+    fp16: bool = False
+    """With ``bf16``: compute in fp16 instead, reduce in fp16 (split division), ``hs.ShardedGradScaler``."""
+
+    @property
+    def low_dtype(self) -> torch.dtype:
+        return torch.float16 if self.fp16 else torch.bfloat16
 
     @property
     def num_blocks(self) -> int:
@@ -193,7 +203,7 @@ def _reference_run(cfg: Config, world_size: int) -> dict[str, Any]:
             loss.backward()
             losses.append(loss.item())
         else:
-            low = copy.deepcopy(model).to(torch.bfloat16)
+            low = copy.deepcopy(model).to(cfg.low_dtype)
             total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
             step_loss = 0.0
             for m, r in parts:
@@ -207,8 +217,8 @@ def _reference_run(cfg: Config, world_size: int) -> dict[str, Any]:
                         total[n] += p.grad.float()
             for n, p in model.named_parameters():
                 if p.requires_grad and cfg.low_precision_grads:
-                    p.grad_dtype = torch.bfloat16
-                    p.grad = (total[n] / world_size).to(torch.bfloat16)
+                    p.grad_dtype = cfg.low_dtype
+                    p.grad = (total[n] / world_size).to(cfg.low_dtype)
                 elif p.requires_grad:
                     p.grad = total[n] / world_size
             losses.append(step_loss)
@@ -241,12 +251,13 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
     model.checkpoint = cfg.checkpoint
     mp = None
     if cfg.bf16:
-        mp = hs.MixedPrecision(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, keep_low_precision_grads=cfg.low_precision_grads
-        )
+        mp = hs.MixedPrecision(param_dtype=cfg.low_dtype, reduce_dtype=torch.float16 if cfg.fp16 else torch.float32,
+                               keep_low_precision_grads=cfg.low_precision_grads)
     hs.shard(model, strategy=cfg.strategy, groups=groups(), wrap=wrap_policy(cfg, model), mixed_precision=mp,
-             prefetch=cfg.prefetch, overlap_grads=cfg.overlap_grads, replicate_compression=cfg.compression)
+             prefetch=cfg.prefetch, overlap_grads=cfg.overlap_grads, replicate_compression=cfg.compression,
+             executor=cfg.executor, offload=hs.CPUOffload() if cfg.offload else None)
     opt = make_optimizer(cfg, model.parameters())
+    scaler = hs.ShardedGradScaler("cpu", init_scale=2.0**10) if cfg.fp16 else None
     losses, norms, counts, clip_counts = [], [], [], []
     grad_dtypes: set[str] = set()
     for step in range(cfg.steps):
@@ -259,17 +270,24 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
                 ctx = hs.no_sync(model, reduce_scatter=cfg.reduce_scatter_micro) if not last else _null()
                 with ctx:
                     loss = lm_loss(model(tokens), tokens)
-                    (loss / cfg.micro_steps).backward()
+                    scaled = loss / cfg.micro_steps
+                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 step_loss += loss.detach().float() / cfg.micro_steps
         counts.append(dict(c.calls))
         grad_dtypes |= {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
         dist.all_reduce(step_loss)
         losses.append(step_loss.item() / world)
+        if scaler is not None:
+            scaler.unscale_(opt)
         if cfg.clip is not None:
             with hs.count_collectives() as c:
                 norms.append(float(hs.clip_grad_norm_(model, cfg.clip)))
             clip_counts.append(dict(c.calls))
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     return {
         "losses": losses,
         "norms": norms,

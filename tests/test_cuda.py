@@ -1,8 +1,10 @@
 """The CUDA path: NCCL with one rank, and two ranks sharing one GPU over gloo (needs a GPU).
 
-Each case runs ``tests/cuda_job.py`` under torchrun, which compares every strategy (with and
-without activation checkpointing) against the CPU reference, losses and parameters. On a machine
-without CUDA these tests skip, saying so; the CPU suite covers the same runtime over gloo.
+Each case runs ``tests/cuda_job.py`` under torchrun, which compares every strategy in five variants
+(fp32, activation checkpointing, bf16, fp16 with the sharded grad scaler, CPU offload) against the
+CPU reference, losses and parameters, on the stream executor, and measures peak CUDA memory per
+strategy against the planner. On a machine without CUDA these tests skip, saying so; the CPU suite
+covers the same runtime over gloo (tests/test_gpu_path.py runs the stream executor's rules there).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
+NUM_RUNS = 5 * 5
+"""Strategies x variants (see tests/cuda_job.py)."""
+
 
 def _job(tmp_path, nproc: int, backend: str) -> dict:
     out = tmp_path / "summary.json"
@@ -25,20 +30,28 @@ def _job(tmp_path, nproc: int, backend: str) -> dict:
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         str(ROOT / "tests" / "cuda_job.py"), "--backend", backend, "--out", str(out),
     ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    print(done.stdout)  # the peak-memory table (shown with pytest -s, as make gpu-check runs it)
     return json.loads(out.read_text())
+
+
+def _check(summary: dict) -> None:
+    assert len(summary["runs"]) == NUM_RUNS, sorted(summary["runs"])
+    for name, run in summary["runs"].items():
+        assert run["peak_cuda_bytes"] > 0, name
+        assert run["collectives"] > 0, name
+        assert all(len(threads) == 1 for threads in run["issuing_threads"].values()), (name, run["issuing_threads"])
+    assert set(summary["memory"]) == {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"}
 
 
 def test_nccl_one_rank_every_strategy_matches_reference(tmp_path):
     summary = _job(tmp_path, 1, "nccl")
     assert summary["device"] == "cuda:0" and summary["shard_groups"] == [[0]]
-    assert len(summary["runs"]) == 10
-    for name, run in summary["runs"].items():
-        assert run["peak_cuda_bytes"] > 0, name
+    _check(summary)
 
 
 def test_gloo_two_ranks_share_one_gpu(tmp_path):
     summary = _job(tmp_path, 2, "gloo")
     assert summary["shard_groups"] == [[0, 1]]
-    assert len(summary["runs"]) == 10
+    _check(summary)

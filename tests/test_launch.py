@@ -122,6 +122,21 @@ def test_restarts_use_c10d_and_a_new_store_per_attempt():
     assert s.torchrun_args()[-2:] == ["--max-restarts", "0"]
 
 
+def test_nccl_fault_defaults_fill_only_what_the_environment_lacks():
+    # See [Note: NCCL faults] in hybridshard/launcher/settings.py.
+    from hybridshard.launcher.command import build_command
+
+    s = resolve_settings(LaunchOptions(nproc_per_node="2", max_restarts=1), {}, count_gpus=lambda: 0)
+    cmd = build_command(s, make_entry(["train.py"]))
+    env = cmd.environ({"PATH": "/bin", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # the user's value stays
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert env[FRESH_STORE_ENV[0]] == FRESH_STORE_ENV[1] and env["PATH"] == "/bin"
+    shown = cmd.render({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    assert "inherited: TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in shown
+    assert "unset (see [Note: NCCL faults]): TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_NCCL_TRACE_BUFFER_SIZE=2000" in shown
+
+
 @pytest.mark.parametrize("options, fragment", [
     (LaunchOptions(nnodes="2"), "needs a rendezvous host"),
     (LaunchOptions(max_restarts=1, rdzv_backend="static"), "needs the c10d rendezvous, found --rdzv-backend static"),

@@ -197,7 +197,8 @@ def run_with_slow_replicate(overlap: bool, delay: float) -> dict:
     C.all_reduce = slow
     try:
         model = RM.make_model(num_blocks=4)
-        hs.shard(model, strategy="HYBRID_SHARD", groups=RM.groups(), wrap={RM.Block}, overlap_grads=overlap)
+        hs.shard(model, strategy="HYBRID_SHARD", groups=RM.groups(), wrap={RM.Block}, overlap_grads=overlap,
+                 executor="threads")  # what is checked here is the communication thread
         runtime = model._hybridshard_runtime
         in_flight: list[int] = []
         for unit in runtime.units:

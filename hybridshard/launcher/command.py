@@ -21,7 +21,7 @@ from enum import Enum
 from typing import Mapping, Sequence
 
 from hybridshard.launcher.numa import BINDING_ENV, CpuBinding
-from hybridshard.launcher.settings import LaunchSettings
+from hybridshard.launcher.settings import NCCL_FAULT_DEFAULTS, LaunchSettings
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +99,17 @@ class LaunchCommand:
     env: tuple[tuple[str, str], ...]
     settings: LaunchSettings
     binding: CpuBinding | None = None
+    defaults: tuple[tuple[str, str], ...] = NCCL_FAULT_DEFAULTS
+    """Variables set only when the inherited environment lacks them (see [Note: NCCL faults])."""
+
+    def added(self, base: Mapping[str, str]) -> list[tuple[str, str]]:
+        """The variables set on top of ``base``: the defaults it lacks, then ``env``."""
+        names = {k for k, _ in self.env}
+        return [(k, v) for k, v in self.defaults if k not in base and k not in names] + list(self.env)
 
     def environ(self, base: Mapping[str, str]) -> dict[str, str]:
         merged = dict(base)
-        merged.update(self.env)
+        merged.update(self.added(base))
         return merged
 
     def render(self, base_env: Mapping[str, str]) -> str:
@@ -122,14 +129,19 @@ class LaunchCommand:
                          "a new store for each attempt")
         if self.binding is not None:
             lines += [f"# {line}" for line in self.binding.describe()]
-        set_names = {k for k, _ in self.env}
+        added = self.added(base_env)
+        set_names = {k for k, _ in added}
+        defaults = added[: len(added) - len(self.env)]
+        if defaults:
+            lines.append("# defaults for what the environment leaves unset (see [Note: NCCL faults]): "
+                         + " ".join(f"{k}={v}" for k, v in defaults))
         shown = sorted(
             (k, v) for k, v in base_env.items()
             if k not in set_names and (k.startswith(_SHOWN_ENV_PREFIXES) or k in _SHOWN_ENV_NAMES)
         )
         for k, v in shown:
             lines.append(f"# inherited: {k}={shlex.quote(v)}")
-        lines.append("# environment: the current one, plus the variables set below")
+        lines.append("# environment: the current one, plus those defaults and the variables set below")
         prefix = ["env", *(f"{k}={v}" for k, v in self.env)] if self.env else []
         lines.append(shlex.join([*prefix, *self.argv]))
         return "\n".join(lines)

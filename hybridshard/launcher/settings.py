@@ -46,13 +46,36 @@ from hybridshard.launcher.slurm import SlurmEnv, slurm_from_env
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Source", "LaunchOptions", "LaunchSettings", "resolve_settings", "DEFAULT_PORT", "FRESH_STORE_ENV"]
+__all__ = ["Source", "LaunchOptions", "LaunchSettings", "resolve_settings", "DEFAULT_PORT", "FRESH_STORE_ENV",
+           "NCCL_FAULT_DEFAULTS"]
 
 DEFAULT_PORT = 29500
 _SLURM_PORT_SPAN = 1000
 _LOCAL_HOST = "127.0.0.1"
 FRESH_STORE_ENV = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 """Set for torchrun when workers can restart: a new store for every attempt (see [Note: restarts])."""
+
+NCCL_FAULT_DEFAULTS = (
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"),
+    ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+    ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
+)
+"""Set for the workers unless the environment sets them already; see [Note: NCCL faults].
+
+[Note: NCCL faults]
+On NCCL a failed or timed-out collective is found by the process group's watchdog thread, not by the
+Python code that issued it (``wait()`` returns at once; see [Note: stream executor] in
+``hybridshard/runtime/streams.py``), so the runtime's gloo-style fault report (which rank raised or
+was lost) does not run there. What the launcher can do is make the failure end the job promptly and
+leave evidence: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` makes the watchdog stop the process on a
+timeout or a peer's failure without a communicator abort that could itself hang (torchrun's agent
+then stops or restarts every worker), and ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` with a trace buffer of the
+last 2000 collectives per rank writes NCCL's flight record (``/tmp/nccl_trace_rank_<rank>`` unless
+``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` says otherwise), which names where each rank stopped. The
+timeout itself is the job's ``init_process_group(timeout=...)`` (``examples/train_gpt.py
+--timeout-s``; torch's default for NCCL is 10 minutes); the runtime's hang report
+(``HYBRIDSHARD_HANG_SECONDS``, 300 s) comes before it. Variables the user set are left alone.
+"""
 
 
 class Source(str, Enum):

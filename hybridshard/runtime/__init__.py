@@ -6,8 +6,11 @@
   ``changes`` (parameters changed while gathered), ``wrap`` (which modules become units),
   ``strategy`` (strategies and mixed precision).
 - ``engine``: the runtime of one model (hooks, end of backward, ``no_sync``); ``prefetch``.
-- The gradient path: ``reduce`` (what is reduced where), ``overlap`` (the asynchronous executor),
-  ``compression`` (the compressed replicate all-reduce), ``grad_norm``.
+- The gradient path: ``reduce`` (what is reduced where), ``compression`` (the compressed replicate
+  all-reduce), ``grad_norm``, ``grad_scaler`` (fp16 loss scaling agreed over the job).
+- Executors, who issues the collectives: ``executor`` (the choice), ``overlap`` (a communication
+  thread, CPU/gloo), ``streams`` (one issuing thread and CUDA streams), ``issue_order`` (recording
+  the order collectives are issued in); ``offload`` (master shards in CPU memory).
 - Communication: ``collectives``, ``counters`` and ``stats`` (what was moved), ``faults`` (naming
   lost ranks), ``agreement`` (the debug check) and ``position`` (where each rank is).
 

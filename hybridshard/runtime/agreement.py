@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridshard.runtime import faults, watchdog
+from hybridshard.runtime import faults, issue_order, watchdog
 from hybridshard.runtime.handoff import hand_off
 from hybridshard.runtime.position import PHASES, current_where
 from hybridshard.topology.groups import collective_device, group_ranks
@@ -78,6 +78,7 @@ def check(kind: str, group_label: str, group: dist.ProcessGroup, tensor: torch.T
     )
     size = dist.get_world_size(group)
     everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=tensor.device)
+    issue_order.note(group_label, "all_gather", mine)
     _ALL_GATHER(*hand_off(everyone, mine), group=group)  # temporaries: [Note: tensors handed to a backend thread]
     rows = everyone.view(size, -1).tolist()
     if all(row == rows[0] for row in rows):
@@ -166,6 +167,7 @@ def issue_step_check(pass_name: str, *, mode: str, num_units: int, order_digest:
     )
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=mine.device)
     token = watchdog.begin("step check", "world", dist.group.WORLD, mine.numel())
+    issue_order.note("world", "all_gather", mine)
     try:
         out, inp = hand_off(everyone, mine)  # see [Note: tensors handed to a backend thread]
         work = _ALL_GATHER(out, inp, async_op=True)  # the default group: the whole job

@@ -13,6 +13,8 @@ import torch.nn as nn
 from hybridshard.runtime import agreement, exits, watchdog
 from hybridshard.runtime.build import broadcast_from_rank0, build_unit, distinct, rank0_shard_index
 from hybridshard.runtime.engine import Runtime, holds_sharded_module
+from hybridshard.runtime.executor import resolve_executor
+from hybridshard.runtime.offload import parse_offload
 from hybridshard.runtime.model_check import check_devices, check_same_model
 from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.runtime.wrap import WrapPolicy, plan_units, split_frozen as split_frozen_parts
@@ -39,6 +41,8 @@ def shard(
     replicate_compression: str | None = None,
     check_steps: bool = True,
     split_frozen: float | None = 0.5,
+    executor: str | None = None,
+    offload: Any = None,
 ) -> nn.Module:
     """Shard ``model`` in place and return it.
 
@@ -70,6 +74,15 @@ def shard(
     that has trainable ones too) becomes two units over the same module, so that only the trainable
     part builds and reduces a gradient (0 splits every unit that mixes the two, ``None`` none); see
     [Note: frozen parts] in :mod:`hybridshard.runtime.wrap`.
+
+    ``executor``: who issues the collectives; ``"auto"`` (streams on CUDA, a communication thread
+    on CPU), ``"threads"`` or ``"streams"`` (on CPU too, with no-op streams, to check its issuing
+    rules); ``None`` reads ``HYBRIDSHARD_EXECUTOR``, else ``"auto"``. See
+    :mod:`hybridshard.runtime.executor` and [Note: stream executor] in :mod:`hybridshard.runtime.streams`.
+
+    ``offload=hybridshard.CPUOffload()`` keeps the sharded parameters, their gradients and so the
+    optimizer state in (pinned) CPU memory, and the optimizer steps on the CPU; only gathered buffers
+    use the compute device. See [Note: CPU offload] in :mod:`hybridshard.runtime.offload`.
 
     After ``shard``, a conversion that would change a parameter (``model.to(torch.float16)``,
     ``.half()``, ``.cuda()`` ...) raises a ``ValueError``; one that changes nothing works as before
@@ -107,12 +120,15 @@ def shard(
     strategies = [spec.strategy or strategy for spec in specs]
     by_strategy, groups = _resolve_groups(strategies, groups, mesh)
     device = _resolve_device(device, groups)
+    executor_kind = resolve_executor(executor, device)
+    offload_policy = parse_offload(offload)
     check_devices(model, device)
     plan = [(spec.name or "<root>", s.name) for spec, s in zip(specs, strategies)]
     check_same_model(model, values=not sync_module_states, plan=plan)
 
     runtime = Runtime(model, strategy, mixed_precision, device, prefetch=prefetch, overlap_grads=overlap_grads,
-                      compressor=compressor, check_steps=check_steps)
+                      compressor=compressor, check_steps=check_steps, executor=executor_kind,
+                      offload=offload_policy)
     rank0_index: dict[int, int] = {}
     if sync_module_states:
         for used in distinct(by_strategy[s] for s in strategies):

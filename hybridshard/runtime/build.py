@@ -87,7 +87,8 @@ def build_unit(
             full[slot.offset : slot.end].copy_(p.detach().reshape(-1))
     if rank0_index is not None:
         broadcast_from_rank0(full, groups, rank0_index)
-    flat = FlatParam(layout, spec.params, full, compute_dtype=compute_dtype, grad_dtype=grad_dtype)
+    flat = FlatParam(layout, spec.params, full, compute_dtype=compute_dtype, grad_dtype=grad_dtype,
+                     offload=runtime.offload)
     return Unit(
         spec.name,
         spec.module,

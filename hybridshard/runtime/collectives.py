@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hybridshard.runtime import agreement, faults, watchdog
+from hybridshard.runtime import agreement, faults, issue_order, watchdog
 from hybridshard.runtime.handoff import hand_off
 from hybridshard.runtime.counters import CollectiveCounts, record
 from hybridshard.topology.groups import group_name
@@ -91,6 +91,7 @@ def _run(
     assert group is not None, f"{kind}: no group means no communication; see [Note: None means no group]"
     name = group_name(group)
     record(kind, name, group_size(group), tensor, stats)
+    issue_order.note(name, kind, tensor)  # see [Note: one issue order per communicator]
     logger.debug("%s on %s: %d bytes", kind, name, tensor.numel() * tensor.element_size())
     if agreement.enabled():
         try:

@@ -38,7 +38,8 @@ from torch.utils._pytree import tree_map
 
 from hybridshard.runtime import agreement
 from hybridshard.runtime.counters import CollectiveCounts
-from hybridshard.runtime.overlap import GradReducer
+from hybridshard.runtime.executor import ExecutorKind, make_executor
+from hybridshard.runtime.offload import CPUOffload
 from hybridshard.runtime.position import where
 from hybridshard.runtime.prefetch import Pass, Prefetcher
 from hybridshard.runtime.reduce import SyncMode
@@ -66,8 +67,12 @@ class Runtime:
         overlap_grads: bool = True,
         compressor: Any = None,
         check_steps: bool = True,
+        executor: ExecutorKind = ExecutorKind.THREADS,
+        offload: CPUOffload | None = None,
     ) -> None:
         self.model = model
+        self.offload = offload
+        """Where the units keep their master shards; see [Note: CPU offload] in :mod:`hybridshard.runtime.offload`."""
         self.check_steps = check_steps
         """Compare every rank's step before each forward and backward; see [Note: step check]."""
         self._pending_check: agreement.StepCheck | None = None
@@ -86,13 +91,20 @@ class Runtime:
         self.prefetcher: Prefetcher | None = None
         self.overlap_grads = overlap_grads
         """Leave gradient collectives running through backward; see :mod:`hybridshard.runtime.overlap`."""
-        self.reducer = GradReducer()
+        self.executor = make_executor(executor, device)
+        """Issues the units' gathers and gradient reductions: the communication thread (CPU) or streams
+        (CUDA); see :mod:`hybridshard.runtime.executor`."""
         self.compressor = compressor
         """A :class:`~hybridshard.runtime.compression.ReplicateCompressor` for hybrid units, or ``None``."""
         self.stats = CollectiveCounts()
         """What the units' collectives moved; read by :func:`hybridshard.comm_stats`."""
         self.steps = 0
         """Backwards that reduced gradients (not inside ``no_sync``) since the stats were reset."""
+
+    @property
+    def reducer(self) -> Any:
+        """The executor, under the name of its gradient half."""
+        return self.executor
 
     @property
     def root(self) -> Unit:
@@ -204,7 +216,7 @@ class Runtime:
     def _recover_aborted_backward(self) -> None:
         """Undo what a backward that raised left behind; see [Note: hook wiring]."""
         logger.warning("an earlier backward did not finish (it raised?): freeing its gathered parameters")
-        self.reducer.abort()
+        self.executor.abort()
         for unit in self.units:
             unit.abort_backward()
         self.in_backward = False
@@ -212,7 +224,7 @@ class Runtime:
 
     def _finish_backward(self) -> None:
         try:
-            for unit, shard in self.reducer.drain():
+            for unit, shard in self.executor.drain():
                 unit.flat.accumulate_grad_shard(shard)
             for unit in reversed(self.units):
                 unit.finish_backward()

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from hybridshard.runtime.layout import FlatLayout
+from hybridshard.runtime.offload import CPUOffload, place_master
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +50,16 @@ class FlatParam:
         *,
         compute_dtype: torch.dtype,
         grad_dtype: torch.dtype,
+        offload: CPUOffload | None = None,
     ) -> None:
         assert len(params) == len(layout.slots) and full_flat.numel() == layout.padded_numel
         self.layout = layout
         self.params = tuple(params)
         self.local = layout.local_slices()
         start, end = layout.shard_range()
-        self.sharded = full_flat[start:end].clone()
+        self.device = full_flat.device
+        """The compute device: where the unsharded buffer lives (the master may be offloaded)."""
+        self.sharded = place_master(full_flat[start:end], offload)
         self.compute_dtype = compute_dtype
         self.grad_dtype = grad_dtype
         # The leaf requires grad even when every parameter is frozen now: a parameter unfrozen after
@@ -63,12 +67,13 @@ class FlatParam:
         self.requires_grad = self.sharded.is_floating_point()
         # A single-rank shard group computing in the master dtype needs no second copy: the
         # "unsharded" buffer is the master itself and is never freed.
-        self.aliases_master = layout.shard_size == 1 and compute_dtype == self.sharded.dtype
-        self.unsharded = torch.empty(0, dtype=compute_dtype, device=self.sharded.device)
+        self.aliases_master = (layout.shard_size == 1 and compute_dtype == self.sharded.dtype
+                               and self.sharded.device == self.device)
+        self.unsharded = torch.empty(0, dtype=compute_dtype, device=self.device)
         if self.aliases_master:
             self.unsharded.data = self.sharded
         else:
-            self.unsharded.data = torch.empty(layout.padded_numel, dtype=compute_dtype, device=self.sharded.device)
+            self.unsharded.data = torch.empty(layout.padded_numel, dtype=compute_dtype, device=self.device)
             self._free_storage()
         self.unsharded.requires_grad_(self.requires_grad)
         self._grad_ref: weakref.ref | None = None
@@ -140,7 +145,10 @@ class FlatParam:
             self._free_storage()
 
     def gather_input(self) -> torch.Tensor:
-        """This rank's contribution to the all-gather: the master shard in the compute dtype."""
+        """This rank's contribution to the all-gather: the master shard in the compute dtype, on the
+        compute device (an offloaded master is copied there; see [Note: CPU offload])."""
+        if self.sharded.device != self.device:
+            return self.sharded.to(self.device, dtype=self.compute_dtype, non_blocking=True)
         return self.sharded if self.sharded.dtype == self.compute_dtype else self.sharded.to(self.compute_dtype)
 
     def unsharded_views(self) -> list[torch.Tensor]:
@@ -174,7 +182,8 @@ class FlatParam:
 
     def accumulate_grad_shard(self, grad_shard: torch.Tensor) -> None:
         """Add a reduced gradient shard to each parameter's ``.grad`` (a view of one flat shard)."""
-        grad_shard = grad_shard.to(self.grad_dtype)
+        # Offloaded: a blocking copy to the CPU, after which the device is done with the master too.
+        grad_shard = grad_shard.to(device=self.sharded.device, dtype=self.grad_dtype)
         current = self._existing_grad_shard()
         if current is not None:
             grad_shard = current.add_(grad_shard)

@@ -73,9 +73,13 @@ def clip_grad_norm_(
             "or find the bad batch, or pass error_if_nonfinite=False to clip anyway"
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    scales: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # offloaded gradients are on the CPU
     for unit in units:
         for g in _grads(unit):
-            g.detach().mul_(coef.to(g.dtype))
+            key = (g.device, g.dtype)
+            if key not in scales:
+                scales[key] = coef.to(device=g.device, dtype=g.dtype)
+            g.detach().mul_(scales[key])
     return total
 
 

@@ -28,7 +28,9 @@ and the next unit's post-backward hook waits for that reduce-scatter (it had the
 backward to finish) and drops it. So at most two unsharded gradients are alive at once, the one in
 flight and the one just computed, however far the thread lags.
 
-On CUDA the same order holds with streams in place of the thread: see docs/performance.md.
+This is the thread executor, for CPU tensors on gloo, where ``wait()`` blocks the host. It must not
+run NCCL: its replicate all-reduces race the hooks' collectives to the device. CUDA uses the stream
+executor instead (see [Note: stream executor] in :mod:`hybridshard.runtime.streams`).
 """
 
 from __future__ import annotations
@@ -145,7 +147,13 @@ def _worker() -> _Worker:
 
 
 class GradReducer:
-    """The jobs of one backward, in submission order; see [Note: overlapped gradient reduction]."""
+    """The jobs of one backward, in submission order; see [Note: overlapped gradient reduction].
+
+    The thread executor, for CPU tensors on gloo; CUDA uses the stream executor (see
+    [Note: stream executor] in :mod:`hybridshard.runtime.streams`).
+    """
+
+    kind = "threads"
 
     def __init__(self) -> None:
         self._jobs: list[GradJob] = []
@@ -153,13 +161,21 @@ class GradReducer:
     def __bool__(self) -> bool:
         return bool(self._jobs)
 
-    def submit(self, unit: Any, full: torch.Tensor, shard: torch.Tensor, first: C.Pending, finish: Finish) -> None:
-        """Hand the communication thread a unit whose first collective (``first``) is in flight.
+    def gather(self, output: torch.Tensor, make_input: Callable[[], torch.Tensor], group: Any, *,
+               stats: Any = None, async_op: bool = False) -> C.Pending | None:
+        """All-gather every rank's ``make_input()`` into ``output``, from the calling (main) thread."""
+        return C.all_gather(output, make_input(), group, stats=stats, async_op=async_op)
 
-        The thread waits for ``first``, drops ``full`` and runs ``finish``, whose collectives must be
-        on groups that only the thread uses during backward (the replicate groups). ``finish`` returns
-        the shard and, if it left one running, its last collective, which :meth:`drain` waits for.
+    def submit(self, unit: Any, full: torch.Tensor, shard: torch.Tensor,
+               issue_first: Callable[[], C.Pending | None], finish: Finish) -> None:
+        """Issue a unit's first collective (``issue_first()``, from the calling thread) and hand the
+        rest to the communication thread.
+
+        The thread waits for that collective, drops ``full`` and runs ``finish``, whose collectives
+        must be on groups that only the thread uses during backward (the replicate groups). ``finish``
+        returns the shard and, if it left one running, its last collective, which :meth:`drain` waits for.
         """
+        first = issue_first() or C.DONE
         for earlier in self._jobs:
             # At most one unsharded gradient in flight besides this one: the previous unit's
             # reduce-scatter had this unit's whole backward to finish. Dropped here, not on the

@@ -26,7 +26,28 @@ from hybridshard.runtime import collectives as C
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GradReduction", "SyncMode"]
+__all__ = ["GradReduction", "SyncMode", "divide_factors"]
+
+
+def divide_factors(world_size: int, reduce_dtype: torch.dtype) -> tuple[int, float]:
+    """``(pre, post)``: divide the gradient by ``pre`` before its first sum and by ``post`` after it.
+
+    [Note: dividing fp16 gradients]
+    Averaging over ``W`` ranks divides by ``W``. After the sum is exact for fp32 and bf16 (whose
+    range is fp32's), and is what the runtime does there, but an fp16 sum of ``S`` gradients
+    overflows (65504) well before the average would; dividing by ``W`` first flushes small
+    gradients to zero instead. So for fp16 the factor is split: ``pre``, the largest power of two
+    not above ``sqrt(W)``, before the reduce-scatter, and ``post = W / pre`` after it (before the
+    replicate all-reduce). Powers of two divide exactly, so only range changes, never the rounding
+    of a value that stays normal. NO_SHARD's only sum is its all-reduce over the job: it divides by
+    ``W`` before it, as it always did.
+    """
+    if reduce_dtype != torch.float16 or world_size <= 1:
+        return 1, world_size
+    pre = 1
+    while (2 * pre) ** 2 <= world_size:
+        pre *= 2
+    return pre, world_size // pre if world_size % pre == 0 else world_size / pre
 
 
 class SyncMode(enum.Enum):
@@ -67,7 +88,7 @@ class GradReduction:
         groups, flat, reduce_dtype = unit.groups, unit.flat, unit.reduce_dtype
         layout = flat.layout
         if grad is None:
-            grad = torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=flat.sharded.device)
+            grad = torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=flat.device)
         elif grad.dtype != reduce_dtype:
             grad = grad.to(reduce_dtype)
         if self.pending_full is not None:
@@ -81,11 +102,15 @@ class GradReduction:
         hold = mode is SyncMode.SHARD_ONLY
         stats = runtime.stats
 
+        no_shard = not unit.strategy.is_hybrid and groups.shard_size == 1 and groups.replicate_size > 1
+        # See [Note: dividing fp16 gradients]; NO_SHARD's one sum is its all-reduce: divide before it.
+        pre, post = (1, groups.world_size) if no_shard else divide_factors(groups.world_size, reduce_dtype)
+
         def scale(shard: torch.Tensor) -> torch.Tensor:
             # In place: the shard is this reduction's own buffer (a fresh reduce-scatter output, or
             # a slice of the gradient autograd handed over), so nothing is allocated on the thread.
-            if groups.world_size > 1:
-                shard.div_(groups.world_size)
+            if post > 1:
+                shard.div_(post)
             return shard if held is None else shard.add_(held)
 
         def scale_and_replicate(shard: torch.Tensor) -> tuple[torch.Tensor, C.Pending | None]:
@@ -94,24 +119,36 @@ class GradReduction:
 
         if groups.shard_size > 1:
             shard = torch.empty(layout.shard_numel, dtype=reduce_dtype, device=grad.device)
-            first = C.reduce_scatter(shard, grad, groups.shard, stats=stats, async_op=overlap)
+
+            def issue_first() -> C.Pending | None:
+                if pre > 1:
+                    grad.div_(pre)
+                return C.reduce_scatter(shard, grad, groups.shard, stats=stats, async_op=overlap)
         else:
             start, end = layout.shard_range()
-            shard, first = grad[start:end], C.DONE
+            shard = grad[start:end]
+
+            def issue_first() -> C.Pending | None:
+                if pre > 1:
+                    shard.div_(pre)
+                return C.DONE
         if not overlap:
+            issue_first()
             shard, _ = scale_and_replicate(shard)
             if hold:
                 self.pending_shard = shard
             else:
                 flat.accumulate_grad_shard(shard)
             return
-        if not unit.strategy.is_hybrid and groups.shard_size == 1 and groups.replicate_size > 1:
-            # NO_SHARD: its one collective is on the world group, which the main thread issues.
-            shard = scale(shard)
-            first = C.all_reduce(shard, groups.replicate, stats=stats, async_op=True)
-            runtime.reducer.submit(unit, grad, shard, first, lambda s: (s, None))
+        if no_shard:
+            # Its one collective is on the world group, issued by the hooks' thread (the executor's
+            # first collective), never by a communication thread.
+            def all_reduce() -> C.Pending | None:
+                return C.all_reduce(scale(shard), groups.replicate, stats=stats, async_op=True)
+
+            runtime.executor.submit(unit, grad, shard, all_reduce, lambda s: (s, None))
             return
-        runtime.reducer.submit(unit, grad, shard, first, scale_and_replicate)
+        runtime.executor.submit(unit, grad, shard, issue_first, scale_and_replicate)
 
     def _replicate(self, shard: torch.Tensor, async_op: bool = False) -> C.Pending | None:
         """All-reduce a scaled gradient shard across the replicate group (compressed if asked)."""

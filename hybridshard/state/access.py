@@ -53,6 +53,7 @@ def gather_unit(unit: Unit, shard: torch.Tensor) -> torch.Tensor:
     layout = unit.flat.layout
     if layout.shard_size == 1:
         return shard
+    shard = shard.to(unit.flat.device)  # an offloaded master is gathered on the compute device
     gathered = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
     C.all_gather(gathered, shard, unit.groups.shard)
     return gathered

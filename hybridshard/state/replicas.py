@@ -64,7 +64,7 @@ def check_replicas(model: nn.Module) -> None:
         group = members[0].groups.replicate
         for unit in members:
             unit.flat.writeback_params()
-        mine = torch.cat([shard_checksum(u.flat.sharded) for u in members])
+        mine = torch.cat([shard_checksum(u.flat.sharded).to(u.flat.device) for u in members])
         everyone = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=mine.dtype, device=mine.device)
         C.all_gather(everyone, mine, group)
         everyone = everyone.view(dist.get_world_size(group), len(members), 2)
@@ -96,7 +96,7 @@ def check_replicas(model: nn.Module) -> None:
 
 
 def _device(units) -> torch.device:
-    return units[0].flat.sharded.device if units else torch.device("cpu")
+    return units[0].flat.device if units else torch.device("cpu")
 
 
 def maybe_check_replicas(model: nn.Module, *, step: int, every: int) -> bool:

@@ -1,0 +1,130 @@
+"""One-GPU step time: hybridshard against FSDP2 on the same model, batch and optimizer.
+
+Both shard a GPT (each transformer block a unit, the rest the root) over one rank with NCCL, so
+no bytes cross a link: what differs is each runtime's own work per step (hooks, gathers into the
+flat buffer or per-parameter copies, streams and events, the optimizer over flat shards or
+DTensors). Steps are timed with CUDA events in interleaved rounds (one system, then the other), and
+the medians are printed with their ratio. The first step's losses are compared as a check that both
+train the same model.
+
+    python benchmarks/gpu_step.py                       # FULL_SHARD, fp32
+    python benchmarks/gpu_step.py --strategy SHARD_GRAD_OP --dtype bf16 --layers 12
+
+Without a CUDA device it prints why and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import hybridshard as hs  # noqa: E402
+from hybridshard.bench.model import GPT, Block, global_batch  # noqa: E402
+
+
+def build(args: argparse.Namespace) -> GPT:
+    torch.manual_seed(0)
+    return GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
+
+
+def hybridshard_model(args: argparse.Namespace, device: torch.device, groups: hs.ShardGroups) -> torch.nn.Module:
+    mp = hs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.dtype == "bf16" else None
+    return hs.shard(build(args), strategy=args.strategy, groups=groups, wrap={Block}, device=device,
+                    mixed_precision=mp)
+
+
+def fsdp2_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = build(args).to(device)
+    mesh = init_device_mesh("cuda", (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.dtype == "bf16" else None
+    options = {"mesh": mesh, **({"mp_policy": mp} if mp is not None else {})}
+    zero3 = args.strategy == "FULL_SHARD"
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=zero3, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)
+    logits = model(tokens[:, :-1])  # (b, s, vocab)
+    loss = F.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def timed(model, opt, tokens, vocab: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step(model, opt, tokens, vocab)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--strategy", choices=["FULL_SHARD", "SHARD_GRAD_OP"], default="FULL_SHARD")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=20)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_step: skipped: no CUDA device on this machine")
+        return 0
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    try:
+        groups = hs.init_groups()
+        systems = {"hybridshard": hybridshard_model(args, device, groups), "fsdp2": fsdp2_model(args, device)}
+        opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in systems.items()}
+        batches = [global_batch(i, seed=0, batch=args.batch, seq=args.seq, vocab=args.vocab).to(device)
+                   for i in range(args.warmup + args.rounds)]
+        first = {name: step(m, opts[name], batches[0], args.vocab).item() for name, m in systems.items()}
+        for i in range(1, args.warmup):
+            for name, m in systems.items():
+                step(m, opts[name], batches[i], args.vocab)
+        times: dict[str, list[float]] = {name: [] for name in systems}
+        for i in range(args.warmup, args.warmup + args.rounds):
+            order = list(systems) if i % 2 else list(reversed(systems))
+            for name in order:
+                times[name].append(timed(systems[name], opts[name], batches[i], args.vocab))
+        med = {name: statistics.median(t) for name, t in times.items()}
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        print(f"gpu_step on {torch.cuda.get_device_name(device)}: {args.strategy}, {args.dtype}, GPT {args.layers}x"
+              f"{args.dim} (vocab {args.vocab}), batch {args.batch}x{args.seq}, torch {torch.__version__}")
+        print(f"  first-step loss: hybridshard {first['hybridshard']:.5f}, fsdp2 {first['fsdp2']:.5f}")
+        for name in systems:
+            t = sorted(times[name])
+            print(f"  {name:>11}: median {med[name]:8.2f} ms/step (min {t[0]:.2f}, max {t[-1]:.2f}, {len(t)} rounds)")
+        print(f"  ratio hybridshard / fsdp2: {med['hybridshard'] / med['fsdp2']:.3f}   (peak CUDA memory, both "
+              f"models together: {peak:.0f} MiB)")
+        if abs(first["hybridshard"] - first["fsdp2"]) > 1e-2 * abs(first["fsdp2"]):
+            print("gpu_step: the two systems' first losses differ by more than 1%: they did not train the same model")
+            return 1
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
