@@ -33,26 +33,29 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/hybridshard bench --out bench-results $(BENCH_ARGS)
 
 # The CUDA checks, in one command on a machine with a GPU (a few minutes); without one every step says
-# it skipped and the target succeeds. If `make install` cannot install (no registry), it goes on with
-# $(PYTHON) and the torch installed there (a venv over its site-packages, this package added).
-# The NVML answers go to tests/fixtures/nvml/$(NVML_NAME).json.
-GPU_VENV ?= .venv-system
-NVML_NAME ?= gpu-check-$(shell hostname -s 2>/dev/null || echo host)
+# it skipped and the target succeeds. Where $(PYTHON) already has a CUDA build of torch (a GPU node's
+# own environment, often without a package index), that torch is used and this package is installed
+# beside it into $(GPU_SITE) (no index needed, nothing changed in that environment); otherwise the
+# checks run in .venv (`make install`). The NVML answers go to $(NVML_OUT).
+GPU_SITE ?= build/gpu-check-site
+NVML_OUT ?= tests/fixtures/nvml/gpu-check-$(shell hostname -s 2>/dev/null || echo host).json
 gpu-check:
-	@$(MAKE) --no-print-directory install || { \
-	  echo "gpu-check: make install failed; using $(PYTHON)'s own torch in $(GPU_VENV)"; \
-	  $(PYTHON) -m venv --system-site-packages $(GPU_VENV) && \
-	  $(GPU_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e . ; }
-	@PY=$(BIN)/python; [ -f $(STAMP) ] || PY=$(GPU_VENV)/bin/python; \
-	set -e; \
+	@set -e; \
+	if $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+	  PY=$(PYTHON); rm -rf $(GPU_SITE); \
+	  $$PY -m pip install -q --no-deps --no-build-isolation --target $(GPU_SITE) . ; \
+	  export PYTHONPATH=$(CURDIR)/$(GPU_SITE); \
+	else \
+	  $(MAKE) --no-print-directory install; PY=$(BIN)/python; \
+	fi; \
 	$$PY -c "import torch; print('gpu-check: torch', torch.__version__, '| CUDA device:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"; \
-	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $$PY -m pytest -q -s -rs tests/test_cuda.py; \
-	PYTHONPATH=$(CURDIR) $$PY benchmarks/gpu_step.py; \
-	PYTHONPATH=$(CURDIR) $$PY benchmarks/gpu_step.py --dtype bf16; \
+	OMP_NUM_THREADS=1 $$PY -m pytest -q -s -rs -p no:cacheprovider tests/test_cuda.py; \
+	$$PY benchmarks/gpu_step.py; \
+	$$PY benchmarks/gpu_step.py --dtype bf16; \
 	if $$PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-	  PYTHONPATH=$(CURDIR) $$PY -m hybridshard.topology.nvml record -o tests/fixtures/nvml/$(NVML_NAME).json \
-	    --description "recorded by make gpu-check" && echo "gpu-check: NVML answers in tests/fixtures/nvml/$(NVML_NAME).json"; \
+	  (cd / && $$PY -m hybridshard.topology.nvml record -o $(abspath $(NVML_OUT)) --description "recorded by make gpu-check") \
+	    && echo "gpu-check: NVML answers in $(NVML_OUT)"; \
 	else echo "gpu-check: NVML recording skipped: no CUDA device on this machine"; fi
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info

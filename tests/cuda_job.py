@@ -17,6 +17,7 @@ raises, so torchrun exits non-zero.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after an installed hybridshard
 
 import hybridshard as hs  # noqa: E402
 from hybridshard.planning.sizing import ModelSpec, memory  # noqa: E402
@@ -118,6 +119,9 @@ def shard_size_of(strategy: ShardingStrategy, groups: hs.ShardGroups) -> int:
 def memory_run(strategy: str, groups: hs.ShardGroups) -> dict:
     """Peak CUDA bytes of the second AdamW step (optimizer state exists) against the planner."""
     device = groups.device
+    gc.collect()  # the previous strategy's model and optimizer (reference cycles through the hooks)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
     torch.manual_seed(0)
     model = Mlp()
     numels = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
@@ -132,12 +136,13 @@ def memory_run(strategy: str, groups: hs.ShardGroups) -> dict:
         model(x).square().mean().backward()
         opt.step()
     torch.cuda.synchronize(device)
-    measured = torch.cuda.max_memory_allocated(device)
+    measured = torch.cuda.max_memory_allocated(device) - before
     s = ShardingStrategy[strategy]
     planned = memory(s, shard_size_of(s, groups), model=ModelSpec(
         num_params=sum(numels), unit_params=max(numels), root_params=0, param_dtype="fp32", reduce_dtype="fp32"))
     persistent = planned.params + planned.optimizer  # the master and AdamW's state are alive throughout
     assert measured >= persistent, f"{strategy}: peak {measured} bytes below the master + optimizer {persistent}"
+    del model, opt, x
     return {"measured_peak_bytes": measured, "planned_bytes": planned.total, "ratio": measured / planned.total}
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybridshard.runtime import agreement, faults, issue_order, watchdog
-from hybridshard.runtime.handoff import hand_off
+from hybridshard.runtime.handoff import hand_off, sweep
 from hybridshard.runtime.counters import CollectiveCounts, record
 from hybridshard.topology.groups import group_name
 
@@ -66,6 +66,7 @@ class Pending:
             watchdog.end(self._token)
         self._done = True
         self._work = None  # the work holds its input and output tensors: let them go now
+        sweep()  # and the aliases of earlier collectives the backend let go of (see hybridshard.runtime.handoff)
         if self._then is not None:
             self._then()
 
