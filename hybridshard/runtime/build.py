@@ -81,13 +81,23 @@ def build_unit(
         align_numel=max(1, _ALIGN_BYTES // itemsize),
         aliases=spec.aliases,
     )
-    full = torch.zeros(layout.padded_numel, dtype=master_dtype, device=device)
-    with torch.no_grad():
-        for slot, p in zip(layout.slots, spec.params):
-            full[slot.offset : slot.end].copy_(p.detach().reshape(-1))
-    if rank0_index is not None:
+    start, end = layout.shard_range()
+    if rank0_index is not None:  # every element goes through the broadcast: build the whole buffer
+        full = torch.zeros(layout.padded_numel, dtype=master_dtype, device=device)
+        with torch.no_grad():
+            for slot, p in zip(layout.slots, spec.params):
+                full[slot.offset : slot.end].copy_(p.detach().reshape(-1))
         broadcast_from_rank0(full, groups, rank0_index)
-    flat = FlatParam(layout, spec.params, full, compute_dtype=compute_dtype, grad_dtype=grad_dtype)
+        sharded = full[start:end].clone()
+        del full
+    else:  # only this rank's range: building a unit costs its shard, never a second copy of the unit
+        sharded = torch.zeros(layout.shard_numel, dtype=master_dtype, device=device)
+        with torch.no_grad():
+            for p, part in zip(spec.params, layout.local_slices()):
+                if part.numel:
+                    source = p.detach().reshape(-1)[part.param_start : part.param_start + part.numel]
+                    sharded[part.shard_offset : part.shard_offset + part.numel].copy_(source)
+    flat = FlatParam(layout, spec.params, sharded, compute_dtype=compute_dtype, grad_dtype=grad_dtype)
     return Unit(
         spec.name,
         spec.module,
