@@ -152,6 +152,8 @@ def shard(
         units.append(
             build_unit(spec, s, by_strategy[s], mixed_precision, device, rank0_index.get(id(by_strategy[s])), runtime)
         )
+        if deferred is not None and (i + 1 == len(specs) or specs[i + 1].part_of is None):
+            deferred.release()  # the unit (and its frozen part) hold their shards: one unit at a time
     unit_modules = {id(u.module) for u in units}
     for i, spec in enumerate(specs):
         if spec.part_of is not None:  # right after its trainable part; see [Note: frozen parts]

@@ -58,6 +58,8 @@ class DeferredInit:
         self.seed = int(seed)
         self.names = {id(m): n for n, m in model.named_modules()}
         self.post_order: dict[int, int] = {}
+        self.held: list[torch.Tensor] = []
+        """The full tensors of the unit being built, dropped by :meth:`release` once it holds its shard."""
         self._walk(model)
         missing = [
             f"{self.names[id(m)] or '<root>'!r} ({type(m).__name__})"
@@ -102,8 +104,9 @@ class DeferredInit:
             new_params = []
             for p, bindings in zip(spec.params, spec.bindings):
                 if p.is_meta:
-                    p = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
-                                     requires_grad=p.requires_grad)
+                    full = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                    self.held.append(full)
+                    p = nn.Parameter(full, requires_grad=p.requires_grad)
                     for m, attr in bindings:
                         m._parameters[attr] = p
                     init.setdefault(id(bindings[0][0]), bindings[0][0])
@@ -111,6 +114,10 @@ class DeferredInit:
             out.append(replace(spec, params=tuple(new_params)))
         self._init_modules(init.values())
         return out
+
+    def release(self) -> None:
+        """Drop the full tensors of the units just built (their parameters now view the shards)."""
+        self.held.clear()
 
     def _init_modules(self, modules: Iterable[nn.Module]) -> None:
         ordered = sorted(modules, key=lambda m: self.post_order.get(id(m), -1))

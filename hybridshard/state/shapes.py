@@ -50,10 +50,9 @@ def param_groups(
     whose name contains one of ``no_decay`` (case-insensitive). Frozen parameters are left out.
     Works on sharded and plain models alike; see [Note: shapes for the optimizer]."""
     shapes = param_shapes(model)
-    params = dict(model.named_parameters())
     decay, plain = [], []
-    for name, shape in shapes.items():
-        p = params[name]
+    for name, p in model.named_parameters():  # named_parameters() order, as an optimizer built on it
+        shape = shapes[name]
         if not p.requires_grad:
             continue
         skip = len(shape) < 2 or any(word.lower() in name.lower() for word in no_decay)
