@@ -193,3 +193,26 @@ def test_optimizer_built_before_shard_keeps_training(block):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), atol=1e-5, rtol=1e-5)
         for key, value in model.state_dict().items():
             torch.testing.assert_close(got["state"][key], value, atol=1e-5, rtol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+def test_finetune_llama_example(tmp_path):
+    """examples/finetune_llama.py end to end: 2 simulated nodes x 2 ranks, meta init, load, train,
+    checkpoint, export, from_pretrained."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    done = subprocess.run([sys.executable, os.path.join(root, "examples", "finetune_llama.py"),
+                           "--workdir", str(tmp_path), "--steps", "4"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    print(report)
+    assert report["load_max_logit_diff"] <= 1e-5 and report["export_max_logit_diff"] <= 1e-5, report
+    assert report["losses"][-1] < report["losses"][0], report
+    assert report["bytes_read_rank0"] < report["bytes_unstriped_rank0"], report
+    assert os.path.exists(tmp_path / "ckpt" / "step_00000004" / "hybridshard.json")
+    assert os.path.exists(tmp_path / "export" / "config.json")

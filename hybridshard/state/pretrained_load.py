@@ -142,7 +142,8 @@ class _Reader:
 def _match(model: nn.Module, index: dict[str, str]) -> tuple[dict[tuple[int, int], str], dict[str, torch.Tensor]]:
     """The checkpoint name of every slot, and the buffers the checkpoint holds; ``ValueError`` on a missing parameter."""
     names: dict[tuple[int, int], list[str]] = {}
-    for key, where in param_keys(model).items():
+    keys = param_keys(model)
+    for key, where in keys.items():
         names.setdefault(where, []).append(key.replace("_checkpoint_wrapped_module.", ""))
     found, missing = {}, []
     for where, candidates in names.items():
@@ -157,7 +158,6 @@ def _match(model: nn.Module, index: dict[str, str]) -> tuple[dict[tuple[int, int
             f"{' ...' if len(missing) > 5 else ''}; nothing was loaded. Load a checkpoint of this model's "
             "architecture (the names of model.named_parameters())"
         )
-    keys = set(param_keys(model))
     buffers = {k.replace("_checkpoint_wrapped_module.", ""): v
                for k, v in module_state_dict(model, keep_vars=True).items() if k not in keys}
     return found, buffers
