@@ -169,7 +169,7 @@ def test_bad_inputs_name_the_fix(block):
         assert "has no reset_parameters(); pass shard(..., param_init_fn=fn)" in out["no_init"], out
         assert "LlamaRMSNorm" in out["no_init"], out
         assert "no parameter or buffer of LlamaForCausalLM is on the meta device" in out["init_fn_not_meta"], out
-        assert "init seed" in out["seeds_differ"] and "init_seed" in out["seeds_differ"], out
+        assert "the init seed differs across ranks: rank 0 has 0, rank 1 has 1" in out["seeds_differ"], out
         assert "expected a Hugging Face checkpoint" in out["not_a_checkpoint"], out
 
 

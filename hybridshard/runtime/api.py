@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from hybridshard.runtime import agreement, exits, watchdog
 from hybridshard.runtime.deferred_init import DeferredInit, has_meta
-from hybridshard.runtime.build import broadcast_from_rank0, build_unit, distinct, rank0_shard_index
+from hybridshard.runtime.build import broadcast_from_rank0, build_unit, distinct, rank0_initial_seed, rank0_shard_index
 from hybridshard.runtime.engine import Runtime, holds_sharded_module
 from hybridshard.runtime.model_check import INIT_SEED, check_devices, check_same_model
 from hybridshard.runtime.state_guard import guard_state_dict
@@ -78,7 +78,7 @@ def shard(
     A model built under ``torch.device("meta")`` is materialised here one unit at a time: each rank
     allocates only its shards (plus one unit while it is initialised), calling ``param_init_fn(module)``
     or else ``module.reset_parameters()`` on each module, with the generator seeded from ``init_seed``
-    (default ``torch.initial_seed()``) and the module's name, so the values do not depend on the
+    (default: rank 0's ``torch.initial_seed()``) and the module's name, so the values do not depend on the
     topology (see [Note: deferred init] in :mod:`hybridshard.runtime.deferred_init`).
 
     After ``shard``, ``model.state_dict()`` and ``load_state_dict()`` raise a ``ValueError`` naming
@@ -125,7 +125,7 @@ def shard(
     plan = [(spec.name or "<root>", s.name) for spec, s in zip(specs, strategies)]
     deferred = None
     if has_meta(model):
-        seed = torch.initial_seed() if init_seed is None else int(init_seed)
+        seed = rank0_initial_seed() if init_seed is None else int(init_seed)
         deferred = DeferredInit(model, device, param_init_fn, seed)
         plan.append((INIT_SEED, str(seed)))
     elif param_init_fn is not None:

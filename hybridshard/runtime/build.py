@@ -20,7 +20,7 @@ from hybridshard.topology.groups import ShardGroups, collective_device
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["broadcast_from_rank0", "build_unit", "distinct", "rank0_shard_index"]
+__all__ = ["broadcast_from_rank0", "build_unit", "distinct", "rank0_initial_seed", "rank0_shard_index"]
 
 _ALIGN_BYTES = 16
 
@@ -39,6 +39,14 @@ def rank0_shard_index(groups: ShardGroups) -> int:
     index = torch.tensor([groups.shard_rank], dtype=torch.int64, device=collective_device())
     dist.broadcast(index, src=0)
     return int(index.item())
+
+
+def rank0_initial_seed() -> int:
+    """Rank 0's ``torch.initial_seed()`` on every rank (one small broadcast over the default group):
+    deferred init's default seed, the same everywhere even when ranks never seeded their generators."""
+    seed = torch.tensor([torch.initial_seed() % (1 << 63)], dtype=torch.int64, device=collective_device())
+    dist.broadcast(seed, src=0)
+    return int(seed.item())
 
 
 def broadcast_from_rank0(tensor: torch.Tensor, groups: ShardGroups, rank0_index: int) -> None:

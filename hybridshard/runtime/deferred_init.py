@@ -16,8 +16,8 @@ of its parameters; a module split into a trainable and a frozen part is done onc
    tensors are dropped (see ``build_unit``).
 
 So a rank holds its shards plus one unit, never the model. The random generator is seeded before
-each module from the seed (``shard(init_seed=...)``, by default ``torch.initial_seed()``, compared
-across ranks) and the module's name, so the values depend on neither the rank nor the topology nor
+each module from the seed (``shard(init_seed=...)``, compared across ranks; by default rank 0's
+``torch.initial_seed()``) and the module's name, so the values depend on neither the rank nor the topology nor
 the wrap policy: :func:`materialize` gives the same model in one process, unsharded.
 """
 

@@ -105,6 +105,11 @@ def check_same_model(model: nn.Module, *, values: bool, plan: Sequence[tuple[str
     for i in range(max(len(p) for _, p in everyone)):
         column = [p[i] if i < len(p) else None for _, p in everyone]
         for rank, entry in enumerate(column):
+            if entry != column[0] and column[0] is not None and column[0][0] == INIT_SEED and entry is not None:
+                raise ValueError(
+                    f"the init seed differs across ranks: rank 0 has {column[0][1]}, rank {rank} has {entry[1]}; pass "
+                    "every rank the same shard(init_seed=...), or leave it out to use rank 0's torch.initial_seed()"
+                )
             if entry != column[0]:
                 raise ValueError(
                     f"the units differ across ranks at unit #{i}: rank 0 has {_describe_unit(column[0])}, rank "
@@ -114,8 +119,6 @@ def check_same_model(model: nn.Module, *, values: bool, plan: Sequence[tuple[str
 
 
 def _describe_unit(entry: tuple[str, str] | None) -> str:
-    if entry is not None and entry[0] == INIT_SEED:
-        return f"init seed {entry[1]} (pass every rank the same shard(init_seed=...) or torch.manual_seed)"
     return "no such unit" if entry is None else f"{entry[0]!r} with {entry[1]}"
 
 
