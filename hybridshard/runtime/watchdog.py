@@ -66,7 +66,11 @@ class InFlight:
     reported: bool = False
 
     def describe(self, now: float) -> str:
-        return (f"{self.kind} of {self.numel} elements on the {self.group} group (ranks {group_ranks(self.pg)}) for "
+        try:
+            ranks = group_ranks(self.pg)
+        except (KeyError, RuntimeError, ValueError):  # the group was destroyed (at exit) while this was registered
+            ranks = "destroyed"
+        return (f"{self.kind} of {self.numel} elements on the {self.group} group (ranks {ranks}) for "
                 f"{now - self.started:.0f}s, {self.where.describe()}")
 
 
