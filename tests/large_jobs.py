@@ -91,6 +91,9 @@ def memory(kind: str, strategy: str, path: str) -> dict[str, int]:
 def refusals() -> dict[str, str]:
     """Every state-dict path of a sharded model raises; the first line of each error, and whether
     the model is unchanged."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
     )
@@ -106,6 +109,7 @@ def refusals() -> dict[str, str]:
         "set_model_state_dict": lambda: set_model_state_dict(model, before),
         "get_optimizer_state_dict": lambda: get_optimizer_state_dict(model, opt),
         "set_optimizer_state_dict": lambda: set_optimizer_state_dict(model, opt, {"state": {}, "param_groups": []}),
+        "dcp.save": lambda: dcp.save({"model": model}, checkpoint_id=tempfile.mkdtemp(prefix="hs-refused-")),
     }
     out = {}
     for name, call in calls.items():
