@@ -85,6 +85,7 @@ def memory(kind: str, strategy: str, path: str) -> dict[str, int]:
         "shards": sum(u.flat.layout.shard_numel * 4 for u in units),
         "buffers": sum(b.numel() * b.element_size() for b in model.buffers()),
         "unit": max(sum(s.numel for s in u.flat.layout.slots) * 4 for u in units),
+        "gather_buffers": sum(u.flat.layout.shard_numel % u.groups.replicate_size != 0 for u in units),
     }
 
 

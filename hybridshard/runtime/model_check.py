@@ -47,7 +47,8 @@ def _sums(p: torch.Tensor) -> tuple[float, float]:
     for chunk in p.detach().reshape(-1).split(_CHUNK_NUMEL):
         d = chunk.double()
         s += float(d.sum())
-        a += float(d.abs().sum())
+        a += float(d.abs_().sum())
+        del d  # before the next chunk's copy: one float64 chunk alive at a time
     return s, a
 
 

@@ -12,8 +12,9 @@ of its replicate group needs the very same range. So the range is split into ``R
 replicate group gives every replica the whole range: storage serves each byte once per job, not
 ``R`` times. A stripe covers a run of elements of the flattened parameters; ``safe_open(...).get_slice``
 reads whole rows of a parameter's first dimension, so a stripe reads at most a partial row more at
-each end of each parameter it touches. Units are loaded one at a time, straight into the master
-shard, so a rank holds its shards plus one stripe buffer and one gather buffer.
+each end of each parameter it touches. Units are loaded one at a time and gathered straight into
+the master shard (through a shard-sized buffer only when the range does not split into ``R`` equal
+stripes), so a rank holds its shards plus one stripe and the rows it is reading.
 
 Names and shapes are checked against the files' headers (no tensor data) before anything is read:
 a parameter missing from the checkpoint, or of another shape, raises a ``ValueError`` naming it and
@@ -228,12 +229,14 @@ def _load_unit(unit: Any, u: int, found: dict, reader: _Reader, unstriped: int, 
             if part.numel:
                 values = reader.read(found[(u, i)], part.param_start, part.numel)
                 mine[part.shard_offset : part.shard_offset + part.numel].copy_(values)
-        if groups.replicate_size > 1:
+        if groups.replicate_size == 1:
+            flat.sharded.copy_(mine[: layout.shard_numel])
+        elif stripe * groups.replicate_size == layout.shard_numel:  # the stripes tile the shard: gather into it
+            C.all_gather(flat.sharded, mine, groups.replicate)
+        else:  # the last stripe is short: gather padded, keep the shard's part
             gathered = torch.empty(stripe * groups.replicate_size, dtype=mine.dtype, device=mine.device)
             C.all_gather(gathered, mine, groups.replicate)
             flat.sharded.copy_(gathered[: layout.shard_numel])
             del gathered
-        else:
-            flat.sharded.copy_(mine[: layout.shard_numel])
         flat.use_sharded_params()
     return unstriped, model_bytes
