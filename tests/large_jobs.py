@@ -68,6 +68,7 @@ def export(kind: str, strategy: str, path: str, out: str) -> dict[str, torch.Ten
     opt.step()
     full = hs.full_state_dict(model)
     hs.save_pretrained(model, out, config=model.config)
+    hs.save_pretrained(model, out + "-bf16", config=model.config, dtype=torch.bfloat16)
     return full
 
 
@@ -124,7 +125,7 @@ def refusals() -> dict[str, str]:
     return out
 
 
-def bad_inputs(tmp: str) -> dict[str, str]:
+def bad_inputs(tmp: str, paths: dict[str, str]) -> dict[str, str]:
     """First lines of the errors for meta models shard() cannot initialise, and for bad checkpoints."""
     out = {}
 
@@ -145,6 +146,12 @@ def bad_inputs(tmp: str) -> dict[str, str]:
         model, strategy="FULL_SHARD", wrap={layer}, param_init_fn=model._init_weights, init_seed=dist.get_rank()))
     gpt2 = sharded_meta("gpt2", "FULL_SHARD")
     out["not_a_checkpoint"] = first_line(lambda: hs.load_pretrained(gpt2, tmp))
+    llama = sharded_meta("llama", "HYBRID_SHARD")
+    before = hs.full_state_dict(llama)
+    out["other_model"] = first_line(lambda: hs.load_pretrained(llama, paths["gpt2"]))
+    after = hs.full_state_dict(llama)
+    out["unchanged"] = str(all(torch.equal(before[k], after[k]) for k in before))
+    out["plain"] = first_line(lambda: hs.load_pretrained(HF.make_model("llama")[0], paths["llama"]))
     return out
 
 

@@ -62,7 +62,7 @@ def block(checkpoints):
             "export": {k: pool.run(J.export, k, "HYBRID_SHARD", paths[k], f"{checkpoints['out']}-{k}") for k in KINDS},
             "memory": {s: pool.run(J.memory, "llama", s, paths["llama"]) for s in MEMORY},
             "refusals": pool.run(J.refusals),
-            "bad": pool.run(J.bad_inputs, checkpoints["empty"]),
+            "bad": pool.run(J.bad_inputs, checkpoints["empty"], paths),
             "optimizer": pool.run(J.optimizer_before_shard, 3),
         }
 
@@ -142,6 +142,15 @@ def test_export_round_trip_is_exact(block, checkpoints, kind):
     for rank, full in enumerate(block["export"][kind]):
         for key, value in full.items():
             assert torch.equal(state[key], value), f"{kind} rank {rank}: {key}"
+    from safetensors.torch import load_file
+
+    half = {}
+    for name in os.listdir(out + "-bf16"):
+        if name.endswith(".safetensors"):
+            half.update(load_file(os.path.join(out + "-bf16", name)))
+    assert half and all(v.dtype == torch.bfloat16 for v in half.values())
+    for key, value in half.items():
+        assert torch.equal(value, block["export"][kind][0][key].to(torch.bfloat16)), key
     # The export is the trained model, not the loaded one.
     loaded = _from_pretrained(checkpoints["paths"][kind]).state_dict()
     assert any(not torch.equal(loaded[k], v) for k, v in state.items() if v.is_floating_point())
@@ -172,6 +181,9 @@ def test_bad_inputs_name_the_fix(block):
         assert "no parameter or buffer of LlamaForCausalLM is on the meta device" in out["init_fn_not_meta"], out
         assert "the init seed differs across ranks: rank 0 has 0, rank 1 has 1" in out["seeds_differ"], out
         assert "expected a Hugging Face checkpoint" in out["not_a_checkpoint"], out
+        assert "the checkpoint lacks 21 parameter(s) of the model: 'model.embed_tokens.weight'" in out["other_model"], out
+        assert "nothing was loaded" in out["other_model"] and out["unchanged"] == "True", out
+        assert "this LlamaForCausalLM is not sharded; call hybridshard.shard(model, ...) first" in out["plain"], out
 
 
 def test_optimizer_built_before_shard_keeps_training(block):
