@@ -125,15 +125,17 @@ def shard(
     plan = [(spec.name or "<root>", s.name) for spec, s in zip(specs, strategies)]
     deferred = None
     if has_meta(model):
-        seed = rank0_initial_seed() if init_seed is None else int(init_seed)
-        deferred = DeferredInit(model, device, param_init_fn, seed)
-        plan.append((INIT_SEED, str(seed)))
+        deferred = DeferredInit(model, device, param_init_fn)  # raises before any collective if it cannot init
+        if init_seed is not None:
+            plan.append((INIT_SEED, str(int(init_seed))))
     elif param_init_fn is not None:
         raise ValueError(
             f"param_init_fn was given, but no parameter or buffer of {type(model).__name__} is on the meta "
             "device; build the model under torch.device('meta') to initialise it in shard(), or drop param_init_fn"
         )
-    check_same_model(model, values=not sync_module_states, plan=plan)
+    check_same_model(model, values=not sync_module_states, plan=plan)  # meta-ness is part of the digest
+    if deferred is not None:  # every rank is here: the same model, meta alike
+        deferred.seed = rank0_initial_seed() if init_seed is None else int(init_seed)
 
     runtime = Runtime(model, strategy, mixed_precision, device, prefetch=prefetch, overlap_grads=overlap_grads,
                       compressor=compressor, check_steps=check_steps)

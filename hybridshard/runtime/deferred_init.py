@@ -52,10 +52,11 @@ def _holds_meta(module: nn.Module) -> bool:
 class DeferredInit:
     """Materialises and initialises a meta model unit by unit; see [Note: deferred init]."""
 
-    def __init__(self, model: nn.Module, device: torch.device, param_init_fn: InitFn | None, seed: int) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, param_init_fn: InitFn | None, seed: int = 0) -> None:
         self.device = device
         self.param_init_fn = param_init_fn
         self.seed = int(seed)
+        """Set before the first unit is materialised (``shard`` agrees on it across ranks first)."""
         self.names = {id(m): n for n, m in model.named_modules()}
         self.post_order: dict[int, int] = {}
         self.held: list[torch.Tensor] = []
