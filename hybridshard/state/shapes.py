@@ -7,7 +7,8 @@ Between steps every parameter of a sharded model is a 1-D slice of its unit's ma
 groups with :func:`param_groups`, which uses the original shapes and names. An optimizer built on
 ``model.parameters()`` before ``shard`` keeps working: ``shard`` keeps every parameter object and
 only points its ``.data`` at the shard, so the optimizer steps the shard. It must not have stepped
-before ``shard``: its state would be full-size next to a 1-D slice.
+before ``shard`` (its state would be full-size next to a 1-D slice), and the model must not be a meta
+one: deferred init gives a meta model new parameter objects.
 
 Element-wise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, Lion) need nothing more. Optimizers
 that work on a parameter's matrix shape (Muon's orthogonalisation, Shampoo's and SOAP's
