@@ -12,6 +12,7 @@ from hybridshard.topology.groups import ShardGroups, init_groups
 # The runtime (hybridshard/runtime/)
 from hybridshard.runtime.api import shard
 from hybridshard.runtime.counters import count_collectives
+from hybridshard.runtime.deferred_init import materialize
 from hybridshard.runtime.engine import no_sync
 from hybridshard.runtime.grad_norm import clip_grad_norm_
 from hybridshard.runtime.grad_scaler import ShardedGradScaler
@@ -26,6 +27,9 @@ from hybridshard.runtime.unit import ShardedState, TrainingState
 from hybridshard.state.checkpoint import SaveResult, latest_checkpoint, load_checkpoint, save_checkpoint
 from hybridshard.state.full import full_state_dict, load_full_state_dict
 from hybridshard.state.optim import full_optim_state_dict, load_full_optim_state_dict
+from hybridshard.state.pretrained_load import LoadResult, load_pretrained
+from hybridshard.state.pretrained_save import save_pretrained
+from hybridshard.state.shapes import param_groups, param_shapes
 from hybridshard.state.replicas import ReplicaDivergence, check_replicas, maybe_check_replicas
 
 __version__ = "0.1.0"
@@ -38,6 +42,7 @@ __all__ = [
     "ShardedState",
     "ShardingStrategy",
     "TrainingState",
+    "LoadResult",
     "ReplicaDivergence",
     "SaveResult",
     "check_replicas",
@@ -45,6 +50,11 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "load_full_optim_state_dict",
+    "load_pretrained",
+    "materialize",
+    "param_groups",
+    "param_shapes",
+    "save_pretrained",
     "maybe_check_replicas",
     "save_checkpoint",
     "clip_grad_norm_",

@@ -15,6 +15,10 @@ views of them, are never counted. What it cannot see: memory a backend allocates
 (gloo's all-gather may stage through a buffer of its own), and a storage that C++ keeps alive after
 its last Python tensor is gone; so the figure is what the Python-level code allocates and holds.
 
+An in-place op returns its input object, which adds no reference: otherwise an object that was
+never counted (an ``nn.Parameter`` made around a counted tensor) would pin the storage until the
+object dies, even after its ``.data`` moved elsewhere (deferred init points parameters at shards).
+
 Memory that no op allocates (a storage grown with ``untyped_storage().resize_()``) can be entered
 by hand into the same timeline with :meth:`LiveTensorBytes.record`; every storage carries a label
 (the op that allocated it, or the one given), and :meth:`LiveTensorBytes.alive_at_peak` says what
@@ -50,8 +54,11 @@ class LiveTensorBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - the mode protocol
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = {_key(t) for t in leaves}
         for t in tree_leaves(out):
+            if any(t is a for a in leaves):
+                continue  # an in-place result is its input: no new reference (see the note)
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
                 self._track(t, inputs, str(func))
         return out

@@ -32,7 +32,8 @@ def check_names_and_state_dict(strategy):
     full_before = {k: v.clone() for k, v in model.state_dict().items()}
     _shard(model, strategy)
     assert [(n, id(p)) for n, p in model.named_parameters()] == names_before
-    assert list(model.state_dict().keys()) == keys_before
+    with pytest.raises(ValueError, match="refused on a sharded .*hybridshard.full_state_dict"):
+        model.state_dict()
     full = hs.full_state_dict(model)
     assert list(full) == keys_before
     for k, v in full_before.items():
@@ -220,8 +221,8 @@ def check_bad_input(case):
             _shard(model)
         elif case == "wrap":
             hs.shard(model, groups=RM.groups(), wrap={nn.Conv2d})
-        elif case == "device":
-            model.blocks[0].fc2.weight = nn.Parameter(torch.empty(RM.DIM, 2 * RM.DIM, device="meta"))
+        elif case == "meta_no_init":  # meta parameters are initialised in shard(), by reset_parameters or a fn
+            model.blocks[0].gate = nn.Parameter(torch.empty(RM.DIM, device="meta"), requires_grad=False)
             _shard(model)
         elif case == "groups":
             world = dist.group.WORLD
@@ -255,7 +256,7 @@ def check_bad_input(case):
         ("differs", "differs across ranks at parameter 'blocks.1.fc1.weight'"),
         ("twice", "already sharded"),
         ("wrap", "matched no submodule"),
-        ("device", "'blocks.0.fc2.weight' is on meta"),
+        ("meta_no_init", "but 'blocks.0' (Block) has no reset_parameters(); pass shard(..., param_init_fn=fn)"),
         ("groups", "shard group size 4 x replicate group size 4 = 16, but the job has 4 ranks"),
         ("strategy", "strategy must be a ShardingStrategy"),
         ("frozen_some_ranks", "differs across ranks at parameter 'blocks.0.fc1.weight': rank 0 has "

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from hybridshard.runtime import agreement, exits, watchdog
-from hybridshard.runtime.build import broadcast_from_rank0, build_unit, distinct, rank0_shard_index
+from hybridshard.runtime.deferred_init import DeferredInit, has_meta
+from hybridshard.runtime.build import broadcast_from_rank0, build_unit, distinct, rank0_initial_seed, rank0_shard_index
 from hybridshard.runtime.engine import Runtime, holds_sharded_module
 from hybridshard.runtime.executor import resolve_executor
 from hybridshard.runtime.offload import parse_offload
-from hybridshard.runtime.model_check import check_devices, check_same_model
+from hybridshard.runtime.model_check import INIT_SEED, check_devices, check_same_model
+from hybridshard.runtime.state_guard import guard_state_dict
 from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.runtime.wrap import WrapPolicy, plan_units, split_frozen as split_frozen_parts
 from hybridshard.topology.groups import ShardGroups, init_groups, name_group
@@ -43,6 +45,8 @@ def shard(
     split_frozen: float | None = 0.5,
     executor: str | None = None,
     offload: Any = None,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    init_seed: int | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place and return it.
 
@@ -84,6 +88,16 @@ def shard(
     optimizer state in (pinned) CPU memory, and the optimizer steps on the CPU; only gathered buffers
     use the compute device. See [Note: CPU offload] in :mod:`hybridshard.runtime.offload`.
 
+    A model built under ``torch.device("meta")`` is materialised here one unit at a time: each rank
+    allocates only its shards (plus one unit while it is initialised), calling ``param_init_fn(module)``
+    or else ``module.reset_parameters()`` on each module, with the generator seeded from ``init_seed``
+    (default: rank 0's ``torch.initial_seed()``) and the module's name, so the values do not depend on the
+    topology (see [Note: deferred init] in :mod:`hybridshard.runtime.deferred_init`).
+
+    After ``shard``, ``model.state_dict()`` and ``load_state_dict()`` raise a ``ValueError`` naming
+    :func:`hybridshard.full_state_dict` and the other calls that do the job (see [Note: a state dict
+    that cannot lie] in :mod:`hybridshard.runtime.state_guard`).
+
     After ``shard``, a conversion that would change a parameter (``model.to(torch.float16)``,
     ``.half()``, ``.cuda()`` ...) raises a ``ValueError``; one that changes nothing works as before
     (see [Note: converting a sharded model] in :mod:`hybridshard.runtime.engine`).
@@ -124,7 +138,19 @@ def shard(
     offload_policy = parse_offload(offload)
     check_devices(model, device)
     plan = [(spec.name or "<root>", s.name) for spec, s in zip(specs, strategies)]
-    check_same_model(model, values=not sync_module_states, plan=plan)
+    deferred = None
+    if has_meta(model):
+        deferred = DeferredInit(model, device, param_init_fn)  # raises before any collective if it cannot init
+        if init_seed is not None:
+            plan.append((INIT_SEED, str(int(init_seed))))
+    elif param_init_fn is not None:
+        raise ValueError(
+            f"param_init_fn was given, but no parameter or buffer of {type(model).__name__} is on the meta "
+            "device; build the model under torch.device('meta') to initialise it in shard(), or drop param_init_fn"
+        )
+    check_same_model(model, values=not sync_module_states, plan=plan)  # meta-ness is part of the digest
+    if deferred is not None:  # every rank is here: the same model, meta alike
+        deferred.seed = rank0_initial_seed() if init_seed is None else int(init_seed)
 
     runtime = Runtime(model, strategy, mixed_precision, device, prefetch=prefetch, overlap_grads=overlap_grads,
                       compressor=compressor, check_steps=check_steps, executor=executor_kind,
@@ -133,10 +159,19 @@ def shard(
     if sync_module_states:
         for used in distinct(by_strategy[s] for s in strategies):
             rank0_index[id(used)] = rank0_shard_index(used)
-    units = [
-        build_unit(spec, s, by_strategy[s], mixed_precision, device, rank0_index.get(id(by_strategy[s])), runtime)
-        for spec, s in zip(specs, strategies)
-    ]
+    units = []
+    for i, (spec, s) in enumerate(zip(specs, strategies)):
+        if deferred is not None and spec.part_of is None:  # a frozen part came with its trainable part
+            parts = [j for j in range(i, len(specs)) if specs[j].module is spec.module]
+            done = deferred.materialize_specs([specs[j] for j in parts], (u.module for u in specs))
+            for j, new_spec in zip(parts, done):
+                specs[j] = new_spec
+            spec = specs[i]
+        units.append(
+            build_unit(spec, s, by_strategy[s], mixed_precision, device, rank0_index.get(id(by_strategy[s])), runtime)
+        )
+        if deferred is not None and (i + 1 == len(specs) or specs[i + 1].part_of is None):
+            deferred.release()  # the unit (and its frozen part) hold their shards: one unit at a time
     unit_modules = {id(u.module) for u in units}
     for i, spec in enumerate(specs):
         if spec.part_of is not None:  # right after its trainable part; see [Note: frozen parts]
@@ -149,6 +184,7 @@ def shard(
             broadcast_from_rank0(buf.data, root_groups, rank0_index[id(root_groups)])
     runtime.attach(units)
     runtime.guard_conversions()
+    guard_state_dict(model)
     watchdog.start()
     exits.install()
     if logger.isEnabledFor(logging.INFO):

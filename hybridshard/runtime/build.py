@@ -20,7 +20,7 @@ from hybridshard.topology.groups import ShardGroups, collective_device
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["broadcast_from_rank0", "build_unit", "distinct", "rank0_shard_index"]
+__all__ = ["broadcast_from_rank0", "build_unit", "distinct", "rank0_initial_seed", "rank0_shard_index"]
 
 _ALIGN_BYTES = 16
 
@@ -39,6 +39,14 @@ def rank0_shard_index(groups: ShardGroups) -> int:
     index = torch.tensor([groups.shard_rank], dtype=torch.int64, device=collective_device())
     dist.broadcast(index, src=0)
     return int(index.item())
+
+
+def rank0_initial_seed() -> int:
+    """Rank 0's ``torch.initial_seed()`` on every rank (one small broadcast over the default group):
+    deferred init's default seed, the same everywhere even when ranks never seeded their generators."""
+    seed = torch.tensor([torch.initial_seed() % (1 << 63)], dtype=torch.int64, device=collective_device())
+    dist.broadcast(seed, src=0)
+    return int(seed.item())
 
 
 def broadcast_from_rank0(tensor: torch.Tensor, groups: ShardGroups, rank0_index: int) -> None:
@@ -81,14 +89,24 @@ def build_unit(
         align_numel=max(1, _ALIGN_BYTES // itemsize),
         aliases=spec.aliases,
     )
-    full = torch.zeros(layout.padded_numel, dtype=master_dtype, device=device)
-    with torch.no_grad():
-        for slot, p in zip(layout.slots, spec.params):
-            full[slot.offset : slot.end].copy_(p.detach().reshape(-1))
-    if rank0_index is not None:
+    start, end = layout.shard_range()
+    if rank0_index is not None:  # every element goes through the broadcast: build the whole buffer
+        full = torch.zeros(layout.padded_numel, dtype=master_dtype, device=device)
+        with torch.no_grad():
+            for slot, p in zip(layout.slots, spec.params):
+                full[slot.offset : slot.end].copy_(p.detach().reshape(-1))
         broadcast_from_rank0(full, groups, rank0_index)
-    flat = FlatParam(layout, spec.params, full, compute_dtype=compute_dtype, grad_dtype=grad_dtype,
-                     offload=runtime.offload)
+        sharded = full[start:end].clone()
+        del full
+    else:  # only this rank's range: building a unit costs its shard, never a second copy of the unit
+        sharded = torch.zeros(layout.shard_numel, dtype=master_dtype, device=device)
+        with torch.no_grad():
+            for p, part in zip(spec.params, layout.local_slices()):
+                if part.numel:
+                    source = p.detach().reshape(-1)[part.param_start : part.param_start + part.numel]
+                    sharded[part.shard_offset : part.shard_offset + part.numel].copy_(source)
+    flat = FlatParam(layout, spec.params, sharded, compute_dtype=compute_dtype, grad_dtype=grad_dtype,
+                     offload=runtime.offload, device=device)
     return Unit(
         spec.name,
         spec.module,

@@ -46,20 +46,22 @@ class FlatParam:
         self,
         layout: FlatLayout,
         params: Sequence[nn.Parameter],
-        full_flat: torch.Tensor,
+        sharded: torch.Tensor,
         *,
         compute_dtype: torch.dtype,
         grad_dtype: torch.dtype,
         offload: CPUOffload | None = None,
+        device: torch.device | None = None,
     ) -> None:
-        assert len(params) == len(layout.slots) and full_flat.numel() == layout.padded_numel
+        """``sharded`` is this rank's master shard (``layout.shard_numel`` elements); it is kept, not copied
+        (moved to CPU memory when offloading). ``device`` is the compute device (default: the shard's)."""
+        assert len(params) == len(layout.slots) and sharded.numel() == layout.shard_numel
         self.layout = layout
         self.params = tuple(params)
         self.local = layout.local_slices()
-        start, end = layout.shard_range()
-        self.device = full_flat.device
+        self.device = sharded.device if device is None else device
         """The compute device: where the unsharded buffer lives (the master may be offloaded)."""
-        self.sharded = place_master(full_flat[start:end], offload)
+        self.sharded = sharded if offload is None else place_master(sharded, offload)
         self.compute_dtype = compute_dtype
         self.grad_dtype = grad_dtype
         # The leaf requires grad even when every parameter is frozen now: a parameter unfrozen after
@@ -69,12 +71,11 @@ class FlatParam:
         # "unsharded" buffer is the master itself and is never freed.
         self.aliases_master = (layout.shard_size == 1 and compute_dtype == self.sharded.dtype
                                and self.sharded.device == self.device)
+        # Until the first gather the leaf is empty: no unit's unsharded buffer is allocated during
+        # shard(), so building a unit costs its shard and nothing more (see alloc_storage).
         self.unsharded = torch.empty(0, dtype=compute_dtype, device=self.device)
         if self.aliases_master:
             self.unsharded.data = self.sharded
-        else:
-            self.unsharded.data = torch.empty(layout.padded_numel, dtype=compute_dtype, device=self.device)
-            self._free_storage()
         self.unsharded.requires_grad_(self.requires_grad)
         self._grad_ref: weakref.ref | None = None
         """The flat gradient shard the parameters' ``.grad`` view; see [Note: who holds the gradient shard]."""
@@ -132,6 +133,12 @@ class FlatParam:
         return self.unsharded.untyped_storage().size() > 0
 
     def alloc_storage(self) -> None:
+        if self.unsharded.numel() != self.layout.padded_numel:
+            # First gather: give the leaf its shape. Its storage object stays the same from here on
+            # (freed and regrown in place), which the views autograd saves rely on.
+            self.unsharded.data = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype,
+                                              device=self.device)
+            return
         storage = self.unsharded.untyped_storage()
         nbytes = self.layout.padded_numel * self.unsharded.element_size()
         if storage.size() != nbytes:

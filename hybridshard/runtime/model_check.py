@@ -22,12 +22,15 @@ from hybridshard.topology.groups import collective_device
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_devices", "check_same_model"]
+__all__ = ["INIT_SEED", "check_devices", "check_same_model"]
+
+INIT_SEED = "<init seed>"
+"""The plan entry that carries deferred init's seed: ranks with different seeds would build different models."""
 
 
 def check_devices(model: nn.Module, device: torch.device) -> None:
     for name, p in model.named_parameters():
-        if p.device == device or p.device.type == "cpu":
+        if p.device == device or p.device.type in ("cpu", "meta"):
             continue
         raise ValueError(
             f"parameter {name!r} is on {p.device}, but this rank computes on {device}; create the model on "
@@ -35,15 +38,33 @@ def check_devices(model: nn.Module, device: torch.device) -> None:
         )
 
 
-def _digest(model: nn.Module, values: bool) -> list[tuple[str, tuple[int, ...], str, float, float]]:
+_CHUNK_NUMEL = 1 << 16
+
+
+def _sums(p: torch.Tensor) -> tuple[float, float]:
+    """Sum and absolute sum in float64, a chunk at a time: never a float64 copy of the parameter."""
+    s = a = 0.0
+    for chunk in p.detach().reshape(-1).split(_CHUNK_NUMEL):
+        d = chunk.double()
+        s += float(d.sum())
+        a += float(d.abs_().sum())
+        del d  # before the next chunk's copy: one float64 chunk alive at a time
+    return s, a
+
+
+def _digest(model: nn.Module, values: bool) -> list[tuple[str, tuple[int, ...], str, str, str]]:
+    """Per parameter: name, shape, dtype and frozen-ness, and (``values``, not on meta) its sums.
+
+    A parameter on the meta device has no values yet: deferred init gives it the same ones on every
+    rank (see :mod:`hybridshard.runtime.deferred_init`), so only its structure is compared.
+    """
     out = []
     with torch.no_grad():
         for name, p in model.named_parameters():
-            d = p.detach().double()
-            s, a = (float(d.sum()), float(d.abs().sum())) if values else (0.0, 0.0)
+            s, a = _sums(p) if values and not p.is_meta else (0.0, 0.0)
             # Hex strings compare equal for equal values, NaN included. Frozen-ness is structure: a
             # parameter frozen on some ranks only would reduce gradients on the others alone.
-            kind = str(p.dtype) + ("" if p.requires_grad else " frozen")
+            kind = str(p.dtype) + ("" if p.requires_grad else " frozen") + (" meta" if p.is_meta else "")
             out.append((name, tuple(p.shape), kind, s.hex(), a.hex()))
     return out
 
@@ -85,6 +106,11 @@ def check_same_model(model: nn.Module, *, values: bool, plan: Sequence[tuple[str
     for i in range(max(len(p) for _, p in everyone)):
         column = [p[i] if i < len(p) else None for _, p in everyone]
         for rank, entry in enumerate(column):
+            if entry != column[0] and column[0] is not None and column[0][0] == INIT_SEED and entry is not None:
+                raise ValueError(
+                    f"the init seed differs across ranks: rank 0 has {column[0][1]}, rank {rank} has {entry[1]}; pass "
+                    "every rank the same shard(init_seed=...), or leave it out to use rank 0's torch.initial_seed()"
+                )
             if entry != column[0]:
                 raise ValueError(
                     f"the units differ across ranks at unit #{i}: rank 0 has {_describe_unit(column[0])}, rank "

@@ -65,8 +65,15 @@ class InFlight:
     """The backend's handle of an asynchronous collective, polled for completion."""
     reported: bool = False
 
+    def ranks(self) -> list[int]:
+        """The group's global ranks; none once the group was destroyed (at exit) while this was registered."""
+        try:
+            return group_ranks(self.pg)
+        except (KeyError, RuntimeError, ValueError):
+            return []
+
     def describe(self, now: float) -> str:
-        return (f"{self.kind} of {self.numel} elements on the {self.group} group (ranks {group_ranks(self.pg)}) for "
+        return (f"{self.kind} of {self.numel} elements on the {self.group} group (ranks {self.ranks()}) for "
                 f"{now - self.started:.0f}s, {self.where.describe()}")
 
 
@@ -121,7 +128,7 @@ def my_status() -> dict[str, Any]:
     if pending:
         first = pending[0]
         return {"state": "collective", "text": f"rank {rank}: in {first.describe(now)}",
-                "ranks": group_ranks(first.pg), "call": first.where.call}
+                "ranks": first.ranks(), "call": first.where.call}
     here = current_where()
     return {"state": "running", "text": f"rank {rank}: not in a collective of the runtime ({here.describe()})",
             "call": here.call}

@@ -16,11 +16,14 @@ import torch.nn as nn
 
 from hybridshard.runtime import collectives as C
 from hybridshard.runtime.engine import get_runtime, is_sharded
+from hybridshard.runtime.state_guard import module_state_dict
 from hybridshard.runtime.unit import ShardedState, Unit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ParamRange", "check_idle", "gather_unit", "holds_rank0", "is_sharded", "param_ranges", "units"]
+__all__ = [
+    "ParamRange", "check_idle", "gather_unit", "holds_rank0", "is_sharded", "module_state_dict", "param_ranges", "units",
+]
 
 
 def units(model: nn.Module) -> Sequence[Unit]:

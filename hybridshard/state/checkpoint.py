@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hybridshard.runtime.engine import get_runtime
 from hybridshard.state import optim as O
-from hybridshard.state.access import check_idle, is_sharded, local_params, param_ranges, units
+from hybridshard.state.access import check_idle, is_sharded, local_params, module_state_dict, param_ranges, units
 from hybridshard.state.planner import Piece, PieceLoadPlanner, PieceSavePlanner
 from hybridshard.state.progress import ProgressWriter
 from hybridshard.runtime.position import api_call
@@ -86,7 +86,7 @@ def _aliases(model: nn.Module) -> list[tuple[str, str]]:
 
 def _buffers(model: nn.Module, param_names: set[str]) -> dict[str, torch.Tensor]:
     aliases = {a for a, _ in _aliases(model)}
-    return {k: v for k, v in model.state_dict().items() if k not in param_names and k not in aliases}
+    return {k: v for k, v in module_state_dict(model).items() if k not in param_names and k not in aliases}
 
 
 def _topology(model: nn.Module) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hybridshard.state.access import check_idle, gather_unit, holds_rank0, units
+from hybridshard.state.access import check_idle, gather_unit, holds_rank0, module_state_dict, units
 from hybridshard.runtime.position import api_call
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def full_state_dict(model: nn.Module, *, to_cpu: bool = True, rank0_only: bool =
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict().items():
+    for key, value in module_state_dict(model).items():
         if key in keys:
             out[key] = full[keys[key]]
         else:
@@ -69,7 +69,7 @@ def param_keys(model: nn.Module) -> dict[str, tuple[int, int]]:
     parameters (one slot under two keys) come out right.
     """
     where = {id(p): (u, i) for u, unit in enumerate(units(model)) for i, p in enumerate(unit.flat.params)}
-    return {k: where[id(v)] for k, v in model.state_dict(keep_vars=True).items() if id(v) in where}
+    return {k: where[id(v)] for k, v in module_state_dict(model, keep_vars=True).items() if id(v) in where}
 
 
 @api_call
@@ -82,7 +82,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     """
     check_idle(model, "load_full_state_dict")
     sharded_units = units(model)
-    expected = set(model.state_dict().keys())
+    expected = set(module_state_dict(model).keys())
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
     if missing or unexpected:
         raise ValueError(
@@ -91,7 +91,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
             "from the same model (hybridshard.full_state_dict)"
         )
     keys = param_keys(model)
-    others = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in keys}
+    others = {k: v for k, v in module_state_dict(model, keep_vars=True).items() if k not in keys}
     shapes = {k: sharded_units[u].flat.layout.slots[i].shape for k, (u, i) in keys.items()}
     shapes.update((k, tuple(v.shape)) for k, v in others.items())
     for key, shape in shapes.items():
