@@ -25,6 +25,7 @@ import torch.distributed as dist
 import hybridshard as hs
 from hybridshard.bench import measure, stats
 from hybridshard.bench.config import BenchConfig, System
+from hybridshard.bench.hook_time import HookClock
 from hybridshard.bench.model import rank_batch
 from hybridshard.bench.progress import Progress
 from hybridshard.bench.systems import Trainer, build_model, build_trainer
@@ -80,14 +81,18 @@ def run_worker(cfg: BenchConfig, out_dir: str, *, link: str, from_job: bool, pri
     if owns_group:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                 timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    # Every system's hooks on one clock, from before any model is wrapped until the end (FSDP1 looks
+    # some of its hooks up at each forward); see [Note: timing other systems' hooks].
+    clock = HookClock().install(sorted({c.system.value for c in cfg.contestants if c.system is not System.FLOOR}))
     try:
-        return _run(cfg, out_dir, link=link, from_job=from_job, print_report=print_report)
+        return _run(cfg, out_dir, clock, link=link, from_job=from_job, print_report=print_report)
     finally:
+        clock.uninstall()
         if owns_group:
             dist.destroy_process_group()
 
 
-def _run(cfg: BenchConfig, out_dir: str, *, link: str, from_job: bool, print_report: bool) -> dict | None:
+def _run(cfg: BenchConfig, out_dir: str, clock: HookClock, *, link: str, from_job: bool, print_report: bool) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg.check_world(world)
     groups = hs.init_groups()
@@ -104,8 +109,10 @@ def _run(cfg: BenchConfig, out_dir: str, *, link: str, from_job: bool, print_rep
         losses[t.contestant.name].append(loss)
         progress.advance(f"warm-up {t.contestant.name}")
     times_ms: dict[str, list[float]] = {n: [] for n in names}
+    clock.reset()
     for r in range(cfg.rounds):  # see [Note: bench timing]
         for t in _rotated(trainers, r):
+            clock.label = t.contestant.name
             for _ in range(cfg.steps):
                 batch = _batch(cfg, t.steps_done).to(device)
                 _barrier(device)
@@ -116,6 +123,9 @@ def _run(cfg: BenchConfig, out_dir: str, *, link: str, from_job: bool, print_rep
             progress.advance(f"round {r + 1}/{cfg.rounds} {t.contestant.name}")
     progress.close()
     for t in trainers:  # the runtime's CPU overhead: wall time in its hooks, per unit and step
+        if t.contestant.system is not System.FLOOR:  # the same clock for every system, over the timed steps
+            facts[t.contestant.name]["hooks_ms_per_step"] = clock.seconds[t.contestant.name] * 1e3 / (
+                cfg.rounds * cfg.steps)
         if t.contestant.system is System.HYBRIDSHARD:
             seen = hs.comm_stats(t.model)
             steps = max(seen["steps"], 1)
@@ -171,6 +181,7 @@ def _assemble(cfg: BenchConfig, groups, names: list[str], times_ms: dict[str, li
             "state_bytes": max(r["facts"][n]["state_bytes"] for r in per_rank),
             "peak_bytes": max(r["facts"][n]["peak_bytes"] for r in per_rank),
             "hook_ms_per_step_by_rank": [r["facts"][n].get("hook_ms_per_step") for r in per_rank],
+            "hooks_ms_per_step_by_rank": [r["facts"][n].get("hooks_ms_per_step") for r in per_rank],
             "gather_wait_ms_per_step_by_rank": [r["facts"][n].get("gather_wait_ms_per_step") for r in per_rank],
         }
     return {
