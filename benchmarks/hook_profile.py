@@ -88,8 +88,10 @@ def summarize(stats: pstats.Stats, system: str, hook_seconds: float, steps: int)
     """Self time of every function run inside the hooks (the profiler runs only there), by category."""
     own = OWN_FILES[system]
     rows: dict[str, float] = defaultdict(float)
+    functions: dict[str, float] = defaultdict(float)
     for f, (_, _, tt, _, _) in stats.stats.items():
         path, name = _key(f)
+        functions[f"{path.split('/')[-1]}:{f[1]} {name}" if f[0] != "~" else name] += tt
         if f[0] == "~":
             cname = _c_name(name)
             label = C_CATEGORIES.get(cname, f"torch C: {cname}")
@@ -102,7 +104,8 @@ def summarize(stats: pstats.Stats, system: str, hook_seconds: float, steps: int)
             label = "torch/stdlib Python: " + path.split("/")[-1]
         rows[label] += tt
     per_step = 1e3 / steps
-    return {"hooks_ms": hook_seconds * per_step, "rows": {k: v * per_step for k, v in rows.items()}}
+    return {"hooks_ms": hook_seconds * per_step, "rows": {k: v * per_step for k, v in rows.items()},
+            "functions": {k: v * per_step for k, v in functions.items()}}
 
 
 def _rank(rank: int, store: str, steps: int, warmup: int, out: str) -> None:
@@ -153,7 +156,7 @@ def _rank(rank: int, store: str, steps: int, warmup: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def render(results: dict, top: int) -> str:
+def render(results: dict, top: int, functions: int = 0) -> str:
     names = list(results)
     lines = ["per step, rank 0, under cProfile (ms)      " + "  ".join(f"{n:>12}" for n in names)]
     blocked = {n: sum(results[n]["rows"].get(b, 0.0) for b in BLOCKED) for n in names}
@@ -170,6 +173,10 @@ def render(results: dict, top: int) -> str:
         rest = sum(ms for _, ms in rows[top:])
         if rest:
             lines.append(f"  {'(the rest)':<52}{rest:8.2f}")
+        if functions:
+            lines.append(f"  the {functions} functions with the most self time:")
+            for label, ms in sorted(results[n]["functions"].items(), key=lambda kv: -kv[1])[:functions]:
+                lines.append(f"    {label[:80]:<82}{ms:8.2f}")
     return "\n".join(lines)
 
 
@@ -177,13 +184,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--top", type=int, default=14)
+    parser.add_argument("--top", type=int, default=14, help="categories listed per system")
+    parser.add_argument("--functions", type=int, default=0, help="also list this many functions per system")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "profile.pt")
         mp.spawn(_rank, args=(os.path.join(tmp, "store"), args.steps, args.warmup, out), nprocs=WORLD)
         results = torch.load(out)
-    print(render(results, args.top))
+    print(render(results, args.top, args.functions))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -54,6 +55,9 @@ def test_bench_end_to_end_on_loopback(tmp_path):
     assert len(hooks) == 4 and all(set(h) == {"<root>", "blocks.0", "blocks.1"} for h in hooks), hooks
     assert all(ms > 0 for h in hooks for ms in h.values())
     assert systems["fsdp1"]["hook_ms_per_step_by_rank"] == [None] * 4
+    for name in ("hybridshard", "fsdp1", "fsdp2"):  # one clock for every system's hooks
+        assert all(ms > 0 for ms in systems[name]["hooks_ms_per_step_by_rank"]), (name, systems[name])
+    assert systems["floor"]["hooks_ms_per_step_by_rank"] == [None] * 4
     assert systems["floor"]["bytes_per_step"] == {} and systems["floor"]["loss_compared_steps"] == 1
     assert systems["fsdp1"]["loss_compared_steps"] == 2  # warm-up + the first round
     assert results["reference"] == "hybridshard"
@@ -131,3 +135,49 @@ def test_progress_lines_become_one_bar():
     out = shown.getvalue()
     assert TAG not in out and "[node1] a warning" in out
     assert "1/2 warm-up fsdp1" in out and "2/2 round 1/1 fsdp1" in out
+
+
+class _Hooked:
+    """Stands in for a system's hooks: ``outer`` calls ``inner``, both entry points."""
+
+    def outer(self) -> int:
+        time.sleep(0.01)
+        return self.inner()
+
+    def inner(self) -> int:
+        time.sleep(0.01)
+        return 3
+
+
+def test_hook_clock_counts_outermost_entries_once_and_puts_originals_back(monkeypatch):
+    from hybridshard.bench import hook_time
+
+    original = _Hooked.outer
+    monkeypatch.setitem(hook_time.ENTRY_POINTS, "fake", [(__name__, "_Hooked", "outer", False),
+                                                         (__name__, "_Hooked", "inner", False),
+                                                         (__name__, None, "_not_here", False)])
+    clock = hook_time.HookClock().install(["fake"])
+    clock.label = "a"
+    assert _Hooked().outer() == 3 and _Hooked().inner() == 3
+    assert clock.calls["a"] == 2 and clock.seconds["a"] >= 0.03  # inner inside outer counted with it
+    assert clock.missing == [f"{__name__}._not_here"]
+    clock.uninstall()
+    assert _Hooked.outer is original
+    with pytest.raises(ValueError, match="expected one of"):
+        hook_time.HookClock().install(["nope"])
+
+
+def test_live_bytes_count_storage_resizes():
+    import torch
+
+    from hybridshard.bench.live_bytes import LiveTensorBytes
+
+    live = LiveTensorBytes()
+    kept = torch.empty(0)
+    with live, live.counting_resizes():
+        kept.untyped_storage().resize_(4000)
+        temporary = torch.ones(100)  # 400 bytes, freed below
+        del temporary
+        kept.untyped_storage().resize_(0)
+    assert live.peak() == 4400 and live.live() == 0
+    assert torch.UntypedStorage.resize_.__qualname__ != "counting_resizes.<locals>.resize_"

@@ -14,9 +14,15 @@ Peak memory of one step, the same way for every system: the bytes of the model s
 between steps (distinct storages of the parameters as the system keeps them, their gradients and
 buffers, and the optimizer state) plus the highest point the step's own allocations reach above
 where they started. On CUDA the latter is ``max_memory_allocated() - memory_allocated()`` around the
-step; on the CPU it is the running sum of the profiler's allocation events (``profile_memory=True``),
-since the CPU allocator keeps no statistics. All systems live in one process, so the process's RSS
-cannot tell them apart; it is reported once for the job.
+step. On the CPU, where the allocator keeps no statistics, it is the peak of live tensor bytes
+(:class:`~hybridshard.bench.live_bytes.LiveTensorBytes`): every storage an op allocates is counted
+until the last tensor referring to it dies, on whichever thread that happens, and every
+``UntypedStorage.resize_`` (how all three systems free and regrow their unsharded buffers) enters
+its change. The profiler's memory events used before saw frees on the profiling thread only, so a
+buffer allocated by the hooks and dropped on hybridshard's communication thread (the all-to-all
+receive buffers of overlapped reductions) counted as never freed. Neither method sees memory a
+backend allocates inside one op (gloo's staging buffers), for any system. All systems live in one
+process, so the process's RSS cannot tell them apart; it is reported once for the job.
 """
 
 from __future__ import annotations
@@ -24,9 +30,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import os
 import resource
-import sys
 from typing import Callable, Iterator
 
 import torch
@@ -113,21 +117,6 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
     return sum(n for (_, ptr), n in seen.items() if ptr)
 
 
-@contextlib.contextmanager
-def _stderr_silenced() -> Iterator[None]:
-    """The CPU profiler's C++ side prints start/stop lines on fd 2; keep them out of the job's output."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
 def peak_step_bytes(step: Callable[[], object], device: torch.device) -> int:
     """How far this step's allocations rise above where they started; see [Note: bench memory]."""
     if device.type == "cuda":
@@ -137,16 +126,12 @@ def peak_step_bytes(step: Callable[[], object], device: torch.device) -> int:
         step()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device) - before)
-    from torch.profiler import ProfilerActivity, profile
+    from hybridshard.bench.live_bytes import LiveTensorBytes
 
-    with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    live = LiveTensorBytes()
+    with live, live.counting_resizes():
         step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return int(peak)
+    return int(live.peak())
 
 
 def max_rss_bytes() -> int:

@@ -13,6 +13,7 @@ and with ``HYBRIDSHARD_DEBUG=1`` each one first checks that its group agrees on 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -93,7 +94,8 @@ def _run(
     name = group_name(group)
     record(kind, name, group_size(group), tensor, stats)
     issue_order.note(name, kind, tensor)  # see [Note: one issue order per communicator]
-    logger.debug("%s on %s: %d bytes", kind, name, tensor.numel() * tensor.element_size())
+    if logger.isEnabledFor(logging.DEBUG):  # the byte count is computed only when it is logged
+        logger.debug("%s on %s: %d bytes", kind, name, tensor.numel() * tensor.element_size())
     if agreement.enabled():
         try:
             agreement.check(kind, name, group, tensor)
@@ -162,8 +164,22 @@ def _sums_locally(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessG
         and full.is_contiguous()
         and output.is_contiguous()
         and full.numel() == n * output.numel()
-        and "gloo" in str(dist.get_backend(group))
+        and _is_gloo(group)
     )
+
+
+_GLOO: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+"""Per process group, whether its backend is gloo: asked of torch.distributed once per group, not per call."""
+
+
+def _is_gloo(group: dist.ProcessGroup) -> bool:
+    try:
+        return _GLOO[group]
+    except KeyError:
+        gloo = _GLOO[group] = "gloo" in str(dist.get_backend(group))
+        return gloo
+    except TypeError:  # a group object that takes no weak reference: ask every time
+        return "gloo" in str(dist.get_backend(group))
 
 
 def _sum_received(output: torch.Tensor, received: torch.Tensor, n: int, rank: int) -> None:

@@ -110,9 +110,16 @@ class FlatParam:
     def writeback_params(self) -> None:
         """Copy into the master any parameter whose ``.data`` the user replaced since the last step.
 
-        A replacement of the wrong size cannot be placed and raises, naming the parameter.
+        A replacement of the wrong size cannot be placed and raises, naming the parameter. Called at
+        every gather, so a parameter still pointing at its part of the master is recognised from its
+        address and shape alone, without making a view of the master for it.
         """
+        base, itemsize = self.sharded.data_ptr(), self.sharded.element_size()
         for i, p in enumerate(self.params):
+            part = self.local[i]
+            if part.numel and p.dim() == 1 and p.shape[0] == part.numel and \
+                    p.data_ptr() == base + part.shard_offset * itemsize:
+                continue  # the view use_sharded_params made (or one just like it)
             view = self.shard_view(i)
             if p.data.data_ptr() == view.data_ptr() and p.data.shape == view.shape:
                 continue
