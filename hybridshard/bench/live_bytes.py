@@ -42,6 +42,13 @@ def _key(t: torch.Tensor) -> tuple[str, int]:
     return str(storage.device), storage.data_ptr()
 
 
+def _has_storage(t: torch.Tensor) -> bool:
+    """False for a wrapper subclass (a DTensor): its memory is that of the plain tensors it holds,
+    which the ops it dispatches to are counted through."""
+    return not (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
+                and getattr(t, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__)
+
+
 class LiveTensorBytes(TorchDispatchMode):
     """See [Note: counting live tensor bytes]."""
 
@@ -56,12 +63,12 @@ class LiveTensorBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - the mode protocol
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and _has_storage(t)]
         inputs = {_key(t) for t in leaves}
         for t in tree_leaves(out):
             if any(t is a for a in leaves):
                 continue  # an in-place result is its input: no new reference (see the note)
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+            if isinstance(t, torch.Tensor) and _has_storage(t) and t.untyped_storage().nbytes():
                 self._track(t, inputs, str(func))
         return out
 
