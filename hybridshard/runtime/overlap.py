@@ -26,10 +26,7 @@ arithmetic is the synchronous path's, in the same order: the results are bitwise
 The unsharded gradient of a unit stays alive until its reduce-scatter completed: the job holds it,
 and the next unit's post-backward hook waits for that reduce-scatter (it had the next unit's whole
 backward to finish) and drops it. So at most two unsharded gradients are alive at once, the one in
-flight and the one just computed, however far the thread lags. The communication thread drops its
-own reference as soon as the reduce-scatter is done (and its receive buffer with the local sum), so
-when that happens during the next unit's backward, as it usually does, the next gradient is
-computed with only one unsharded gradient alive; the CPU allocator may free on any thread.
+flight and the one just computed, however far the thread lags.
 
 This is the thread executor, for CPU tensors on gloo, where ``wait()`` blocks the host. It must not
 run NCCL: its replicate all-reduces race the hooks' collectives to the device. CUDA uses the stream
@@ -94,7 +91,6 @@ class GradJob:
             with position.working_for(self._where):
                 self._first.wait()
                 self._first = None
-                self.full = None  # nothing reads it any more: free it now, not at the next hook
                 self.state = JobState.SCATTERED
                 self._scattered.set()
                 self.shard, self._last = self._finish(self.shard)
@@ -182,8 +178,8 @@ class GradReducer:
         first = issue_first() or C.DONE
         for earlier in self._jobs:
             # At most one unsharded gradient in flight besides this one: the previous unit's
-            # reduce-scatter had this unit's whole backward to finish (the thread has usually
-            # dropped that gradient already; this waits for it when it has not).
+            # reduce-scatter had this unit's whole backward to finish. Dropped here, not on the
+            # thread, so the memory returns on the thread that took it.
             earlier.release_full()
         job = GradJob(unit, full, shard, first, finish)
         self._jobs.append(job)
