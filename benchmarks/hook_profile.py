@@ -1,18 +1,21 @@
 """Where the hooks' time goes: hybridshard, FSDP1 and FSDP2 profiled the same way in one job.
 
-    OMP_NUM_THREADS=1 python benchmarks/hook_profile.py [--steps 6] [--warmup 2] [--top 14]
+    OMP_NUM_THREADS=1 python benchmarks/hook_profile.py [--steps 6] [--warmup 2] [--top 14] [--functions 0]
 
 Spawns 4 gloo ranks on 2 simulated nodes (``HYBRIDSHARD_NODE_NAME``), builds the three systems of
 ``hybridshard bench`` on its default model (:mod:`hybridshard.bench.systems`, same seed, same groups)
-and, on rank 0, runs ``--steps`` steps of each under ``cProfile`` (the other ranks run the same steps
-unprofiled; a barrier separates the steps). From the profile it prints, per system and per step:
+and on rank 0 first runs one step with live tensor bytes counted
+(:class:`hybridshard.bench.live_bytes.LiveTensorBytes`), then ``--steps`` steps with ``cProfile``
+switched on only while the rank is inside one of the system's hook entry points (those of
+:mod:`hybridshard.bench.hook_time`; the other ranks run the same steps unprofiled, a barrier
+separates the steps). It prints, per system and per step:
 
-- ``hooks``: the cumulative time of the system's hook entry points (forward pre/post, pre-backward,
-  post-backward, the end-of-backward callback), counting nested entries once;
-- ``blocked``: the time the main thread spent in ``Work.wait`` (blocked on a collective);
-- a table of the hooks' own work: the self time of every function in the system's own source files
-  (``hybridshard/runtime`` or ``torch/distributed/fsdp``), plus torch's C functions *called from*
-  those files (``resize_``, ``copy_``, ``detach``, views, ``empty`` ...), grouped by category.
+- the wall time in hooks, what of it was blocked (``Work.wait`` on a collective, lock and event
+  waits) and the rest, the hooks' own work; and the process's CPU time (all threads) per step;
+- the self time of every function that ran inside the hooks, grouped by category (hybridshard's
+  runtime by concept, FSDP's by file, torch's C functions by name);
+- what was alive at the peak of the live-bytes step, by the op that allocated it;
+- with ``--functions N``, the N functions with the most self time.
 
 cProfile adds a fixed cost per Python call, so Python-heavy code looks slower than it is; the same
 tax applies to every system, so compare the rows, not the absolute figures, with ``hybridshard
@@ -117,6 +120,7 @@ def _rank(rank: int, store: str, steps: int, warmup: int, out: str) -> None:
     from hybridshard.bench.config import BenchConfig, Contestant, System
     from hybridshard.bench.model import rank_batch
     from hybridshard.bench.hook_time import HookClock
+    from hybridshard.bench.live_bytes import LiveTensorBytes
     from hybridshard.bench.systems import build_trainer
 
     cfg = BenchConfig()
@@ -132,6 +136,16 @@ def _rank(rank: int, store: str, steps: int, warmup: int, out: str) -> None:
         batch = lambda: rank_batch(trainer.steps_done, rank, WORLD, seed=cfg.seed, batch=cfg.batch,
                                    seq=cfg.seq, vocab=cfg.vocab)
         for _ in range(warmup):
+            trainer.step(batch())
+        if rank == 0:  # one step with live tensor bytes counted: what is alive at its peak
+            live = LiveTensorBytes()
+            with live, live.counting_resizes():
+                trainer.step(batch())
+            alive: dict[str, int] = defaultdict(int)
+            for label, nbytes in live.alive_at_peak().values():
+                alive[label] += nbytes
+            peak = live.peak()
+        else:
             trainer.step(batch())
         profiler = cProfile.Profile()
         clock.reset()
@@ -149,6 +163,7 @@ def _rank(rank: int, store: str, steps: int, warmup: int, out: str) -> None:
         if rank == 0:
             results[name] = summarize(pstats.Stats(profiler), name, clock.seconds[name], steps)
             results[name]["cpu_ms"] = cpu * 1e3 / steps
+            results[name]["peak_bytes"], results[name]["alive_at_peak"] = peak, dict(alive)
         del trainer
     clock.uninstall()
     if rank == 0:
@@ -173,6 +188,10 @@ def render(results: dict, top: int, functions: int = 0) -> str:
         rest = sum(ms for _, ms in rows[top:])
         if rest:
             lines.append(f"  {'(the rest)':<52}{rest:8.2f}")
+        lines.append(f"  alive at the step's peak of live tensor bytes ({results[n]['peak_bytes'] / 1e6:.1f} MB above "
+                     "the step's start), by what allocated it (MB):")
+        for label, nbytes in sorted(results[n]["alive_at_peak"].items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"    {label[:60]:<62}{nbytes / 1e6:8.2f}")
         if functions:
             lines.append(f"  the {functions} functions with the most self time:")
             for label, ms in sorted(results[n]["functions"].items(), key=lambda kv: -kv[1])[:functions]:
