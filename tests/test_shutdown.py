@@ -56,9 +56,11 @@ def test_buffers_of_async_collectives_outlive_the_backend(tmp_path):
         assert results[0]["total"] == results[1]["total"] == sum(2 * s + 1 for s in range(20))
 
 
-def test_alias_is_kept_while_the_backend_holds_it():
-    """``hand_off`` gives an alias; a C++ holder of the alias (here a view) keeps it in the list."""
-    handoff.settle(seconds=1.0)
+def test_alias_lives_exactly_as_long_as_the_backend_holds_it():
+    """``hand_off`` gives an alias, watched weakly: a C++ holder of the alias (here a view, as a
+    backend's work would be) keeps it alive, and ``settle`` waits for it, without the runtime's own
+    tensor ever being handed over."""
+    assert handoff.settle(seconds=1.0)
     owner = torch.arange(6.0)
     (alias,) = handoff.hand_off(owner)
     assert alias is not owner and alias.data_ptr() == owner.data_ptr()
@@ -66,6 +68,7 @@ def test_alias_is_kept_while_the_backend_holds_it():
     backend_hold = alias.view(2, 3)  # holds a reference to the alias's C++ tensor
     del alias
     assert handoff.sweep() == 1
+    assert not handoff.settle(seconds=0.05)  # still held: the bounded wait gives up
     backend_hold.add_(1)
     assert torch.equal(owner, torch.arange(6.0) + 1)  # the alias writes into the owner's storage
     del backend_hold
