@@ -52,7 +52,7 @@ on_cluster() {
     fi
 }
 
-say "1/3  this node: hybridshard topo"
+say "1/4  this node: hybridshard topo"
 "$PY" -m hybridshard topo || true   # warnings about this host must not stop the demo
 
 if [ -z "$NO_NETNS" ] && launch/local-cluster --check; then
@@ -63,20 +63,25 @@ else
     how="two torchrun agents on this host acting as nodes node0, node1 (x $PROCS ranks)"
 fi
 
-say "2/3  cluster view and group plan, via $how"
+say "2/4  cluster view and group plan, via $how"
 on_cluster "$PY" -m hybridshard topo --cluster
 
 CKPT="$(mktemp -d)/ckpt"
 KILL_AT=$((STEPS / 2 + 1))
-say "3/3  training a small GPT with $STRATEGY for $STEPS steps, via $how; rank 3 is killed at step $KILL_AT"
+say "3/4  training a small GPT with $STRATEGY for $STEPS steps, via $how; rank 3 is killed at step $KILL_AT"
 on_cluster examples/train_gpt.py --steps "$STEPS" --strategy "$STRATEGY" --timeout-s 60 \
     --checkpoint-dir "$CKPT" --save-every 2 --resume --kill-rank 3 --kill-at-step "$KILL_AT" \
     || echo "(the job stopped: rank 3 was killed)"
 "$PY" -m hybridshard ckpt inspect "$CKPT" | head -12
 
-say "3/3  the same job again, resuming from the latest checkpoint in $CKPT"
+say "3/4  the same job again, resuming from the latest checkpoint in $CKPT"
 on_cluster examples/train_gpt.py --steps "$STEPS" --strategy "$STRATEGY" --timeout-s 60 \
     --checkpoint-dir "$CKPT" --save-every 2 --resume --check-replicas-every 2
 rm -rf "$(dirname "$CKPT")"
+
+FT="$(mktemp -d)"
+say "4/4  a pretrained Llama that no rank builds whole: meta init, safetensors read into the shards, train, export"
+on_cluster examples/finetune_llama.py --workdir "$FT"
+rm -rf "$FT"
 
 say "done"

@@ -45,7 +45,7 @@ def main() -> None:
         else:
             C.all_reduce(extra, dist.group.WORLD, async_op=True).wait()
         del full, out, extra  # every buffer dropped while a backend thread may still hold it
-    print("RESULT " + json.dumps({"rank": dist.get_rank(), "total": total, "settled": handoff.settle(), "held": handoff.held()}), flush=True)
+    print("RESULT " + json.dumps({"rank": dist.get_rank(), "total": total, "settled": handoff.settle(), "held": handoff.sweep()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -56,3 +56,28 @@ def test_gloo_two_ranks_share_one_gpu(tmp_path):
     summary = _job(tmp_path, 2, "gloo")
     assert summary["shard_groups"] == [[0, 1]]
     _check(summary)
+
+
+def _large_job(tmp_path, nproc: int, backend: str) -> dict:
+    out = tmp_path / "large.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        str(ROOT / "tests" / "cuda_large_job.py"), "--backend", backend, "--dir", str(tmp_path), "--out", str(out),
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("nproc,backend", [(1, "nccl"), (2, "gloo")])
+def test_meta_init_load_and_export_on_cuda(tmp_path, nproc, backend):
+    """A tiny Llama built on meta, sharded on the GPU, loaded from safetensors and exported: the logits
+    equal ``from_pretrained``'s, and the init allocated no more than the shards plus one unit (+10 %)."""
+    summary = _large_job(tmp_path, nproc, backend)
+    print(summary)
+    assert summary["on_device"] and summary["world"] == nproc
+    assert summary["load_max_diff"] <= 1e-4 and summary["export_max_diff"] <= 1e-4, summary
+    assert summary["bytes_read"] <= summary["bytes_model"]
+    # The caching allocator rounds each block up to 512 bytes: one block per tensor of the unit in init.
+    slack = 512 * summary["init_tensors"]
+    assert summary["init_peak_cuda_bytes"] <= 1.1 * (summary["shards_bytes"] + summary["unit_bytes"]) + slack, summary

@@ -19,13 +19,15 @@ PyThread_exit_thread -> std::terminate`` (the all-to-all of the last reduce-scat
 buffer is a temporary).
 
 So no tensor the runtime owns is ever handed to a backend: :func:`hand_off` gives the backend a
-fresh alias (``detach()``: same storage, its own C++ tensor, no autograd link) and keeps that alias
-here. The alias is referenced by this list and by the backend only, so ``alias._use_count() == 1``
-says exactly when the backend let go. :func:`sweep` (at every hand-off) drops those aliases, on a
-Python thread holding the GIL; :func:`settle`, registered with ``atexit`` and so run before the
-interpreter finalizes, waits (boundedly) until the backend let go of every alias. Memory is not
-held longer than the backend holds it, plus one collective: an alias shares its storage, so a
-buffer freed with ``resize_(0)`` is freed as before.
+fresh alias (``detach()``: same storage, its own C++ tensor, no autograd link) and keeps only a
+*weak* reference to it. The runtime's own tensors then never change hands, and the alias's Python
+object lives exactly as long as the backend holds the alias: once the backend let go, it is
+released, on whichever thread held the last reference (a backend thread that must take the GIL for
+it does so while the interpreter still runs). Memory is what it would be without aliases: an alias
+shares its storage, so a buffer freed with ``resize_(0)`` is freed as before, and a temporary is
+freed when the backend drops it. :func:`settle`, registered with ``atexit`` and so run before the
+interpreter finalizes, sleeps (releasing the GIL, boundedly) until every alias is gone: no backend
+thread is then left needing the GIL for one.
 
 Collectives outside the runtime (the user's own, ``all_gather_object``'s temporaries inside
 torch.distributed) are not covered; their temporaries are dropped long before a rank exits unless
@@ -38,57 +40,51 @@ import atexit
 import logging
 import threading
 import time
+import weakref
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["hand_off", "held", "settle", "sweep"]
+__all__ = ["hand_off", "held", "release", "settle", "sweep"]
 
 _LOCK = threading.Lock()
-_HELD: list[torch.Tensor] = []
+_HANDED: list[weakref.ref] = []
 
 
 def hand_off(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Aliases of ``tensors`` to give a backend instead of the tensors themselves; kept until it let go."""
+    """Aliases of ``tensors`` to give a backend instead of the tensors themselves; watched until it let go."""
     aliases = tuple(t.detach() for t in tensors)
     with _LOCK:
         _sweep_locked()
-        _HELD.extend(aliases)
+        _HANDED.extend(weakref.ref(a) for a in aliases)
     return aliases
 
 
 def _sweep_locked() -> None:
-    if _HELD:
-        _HELD[:] = [a for a in _HELD if a._use_count() > 1]
+    if _HANDED:
+        _HANDED[:] = [r for r in _HANDED if r() is not None]
 
 
 def sweep() -> int:
-    """Drop the aliases every backend let go of; returns how many are still held by one."""
+    """Forget the aliases already released; returns how many are still alive (held by a backend)."""
     with _LOCK:
         _sweep_locked()
-        return len(_HELD)
-
-
-def held() -> int:
-    """Aliases still in the list (some may be ready to drop at the next sweep)."""
-    with _LOCK:
-        return len(_HELD)
+        return len(_HANDED)
 
 
 def settle(seconds: float = 3.0) -> bool:
-    """Wait until the backends let go of every alias, then drop them all; ``False`` if they did not in time.
+    """Wait until every alias was released; ``False`` if some were not within ``seconds``.
 
-    Sleeping lets a backend thread that waits for the GIL (to drop some other object) finish first.
-    A collective still running when a process exits (a rank leaving mid-job) never finishes; its
-    aliases are kept, since dropping them here is what would hand the last reference to the
-    backend thread.
+    Sleeping lets a backend thread that waits for the GIL (to release an alias) finish first. A
+    collective still running when a process exits (a rank leaving mid-job) never finishes; its
+    aliases stay, and the wait ends at the bound.
     """
     deadline = time.monotonic() + seconds
     delay = 0.0005
     while sweep():
         if time.monotonic() >= deadline:
-            logger.debug("%d tensors still held by a backend at exit", held())
+            logger.debug("%d tensors still held by a backend at exit", sweep())
             return False
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
