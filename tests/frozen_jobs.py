@@ -12,7 +12,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hybridshard as hs
-from hybridshard.runtime.handoff import sweep
 from hybridshard.runtime.unit import Unit
 from tests import runtime_models as RM
 from tests.frozen_models import data, loss_of, make, optimizer
@@ -85,12 +84,11 @@ def activation_peak(kind: str) -> int:
 def _settled(live: LiveTensorBytes) -> int:
     """Live bytes once nothing more is freed: the communication thread (``overlap_grads``) lets go
     of its last finished job a moment after the main thread took the result (it waits for the GIL),
-    and an alias handed to gloo is dropped at the first sweep after gloo let go of it (the next
-    collective's, see [Note: tensors handed to a backend thread]): sweep as that collective would."""
+    and so does gloo's worker with a collective's aliases (see [Note: tensors handed to a backend
+    thread])."""
     last = live.live()
     for _ in range(50):
         time.sleep(0.01)
-        sweep()
         now, last = last, live.live()
         if now == last:
             break
