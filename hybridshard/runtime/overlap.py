@@ -48,7 +48,7 @@ from hybridshard.runtime import position
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GradJob", "GradReducer", "JobState"]
+__all__ = ["Executor", "GradJob", "GradReducer", "JobState"]
 
 Finish = Callable[[torch.Tensor], "tuple[torch.Tensor, C.Pending | None]"]
 """What is left of a unit's reduction once its first collective is done: shard -> (shard, still running)."""
@@ -146,7 +146,21 @@ def _worker() -> _Worker:
         return _WORKER
 
 
-class GradReducer:
+class Executor:
+    """What both executors share: ``drain`` (each defines it) and ``abort`` on top of it."""
+
+    def drain(self) -> list[tuple[Any, torch.Tensor]]:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """After a backward that raised: let the jobs end and drop their results."""
+        try:
+            self.drain()
+        except Exception:  # noqa: BLE001 - the backward's own error is the one that matters
+            logger.warning("a gradient reduction of the aborted backward failed too", exc_info=True)
+
+
+class GradReducer(Executor):
     """The jobs of one backward, in submission order; see [Note: overlapped gradient reduction].
 
     The thread executor, for CPU tensors on gloo; CUDA uses the stream executor (see
@@ -199,9 +213,3 @@ class GradReducer:
             raise error
         return out
 
-    def abort(self) -> None:
-        """After a backward that raised: let the jobs end and drop their results."""
-        try:
-            self.drain()
-        except Exception:  # noqa: BLE001 - the backward's own error is the one that matters
-            logger.warning("a gradient reduction of the aborted backward failed too", exc_info=True)

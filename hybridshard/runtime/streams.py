@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from hybridshard.runtime import collectives as C
-from hybridshard.runtime.overlap import Finish, JobState
+from hybridshard.runtime.overlap import Executor, Finish, JobState
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class StreamJob:
             self.state = JobState.SCATTERED
 
 
-class StreamExecutor:
+class StreamExecutor(Executor):
     """Gathers and gradient reductions issued from the hooks' thread, overlapped by streams; see
     [Note: stream executor]. The same interface as :class:`~hybridshard.runtime.overlap.GradReducer`."""
 
@@ -191,9 +191,3 @@ class StreamExecutor:
             raise error
         return out
 
-    def abort(self) -> None:
-        """After a backward that raised: wait for the jobs and drop their results."""
-        try:
-            self.drain()
-        except Exception:  # noqa: BLE001 - the backward's own error is the one that matters
-            logger.warning("a gradient reduction of the aborted backward failed too", exc_info=True)
