@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -25,7 +26,7 @@ from tests import runtime_models as RM  # noqa: E402
 
 SCENARIOS = (
     "kill", "raise", "zero2_one_rank", "extra_forward", "extra_forward_debug", "extra_forward_unchecked",
-    "skip_backward", "skip_step", "reverse_order", "one_rank_collective",
+    "skip_backward", "skip_step", "reverse_order", "one_rank_collective", "hang",
 )
 
 
@@ -59,6 +60,10 @@ def main() -> None:
                 else:
                     time.sleep(float(os.environ.get("FAULT_SLEEP", "12")))  # "evaluating" outside any collective
                 break
+            if bad and scenario == "hang":  # frozen: its sockets stay open, its watchdog answers nothing
+                print(f"HUNG {time.monotonic()}", flush=True)
+                subprocess.Popen(["sh", "-c", f"sleep {os.environ.get('FAULT_SLEEP', '25')}; kill -9 {os.getpid()}"])
+                os.kill(os.getpid(), signal.SIGSTOP)
             if bad and scenario == "skip_step":
                 continue  # the whole step, forward included
             if bad and scenario.startswith("extra_forward"):

@@ -69,7 +69,7 @@ def _every_rank_raises_out_of_step(results, *words: str) -> None:
 def test_killed_rank_is_named_by_the_survivors():
     results = _run("kill")
     assert results[1]["code"] == -9
-    _survivors_say(results, "rank 1 was lost (killed or crashed")
+    _survivors_say(results, "rank 1 was lost (killed, crashed or hung")
 
 
 def test_user_exception_on_one_rank_is_relayed_first():
@@ -118,7 +118,9 @@ def test_rank_that_skipped_a_whole_step_fails_and_is_named():
 
 
 def test_collective_on_one_rank_gets_a_hang_report():
-    env = {"HYBRIDSHARD_HANG_SECONDS": "3", "FAULT_SLEEP": "15", "HYBRIDSHARD_EXIT_WAIT": "2"}
+    # The fault check runs too: every rank answers (alive, elsewhere), so rank 0 does not stop on it.
+    env = {"HYBRIDSHARD_HANG_SECONDS": "3", "HYBRIDSHARD_FAULT_SECONDS": "2", "FAULT_SLEEP": "15",
+           "HYBRIDSHARD_EXIT_WAIT": "2"}
     results = _run("one_rank_collective", env=env)
     report = results[0]["output"]
     assert "has been in all_gather" in report and "longer than 3s" in report, report
@@ -129,6 +131,27 @@ def test_collective_on_one_rank_gets_a_hang_report():
     for rank in (1, 2, 3):
         assert results[rank]["outcome"] == "ok" and results[rank]["code"] == 0, results[rank]
     assert results[0]["outcome"] == "error" and results[0]["type"] == "CollectiveError", results[0]
+
+
+def test_hung_rank_stops_the_others_long_before_the_timeout():
+    """Rank 1 freezes (SIGSTOP: sockets open, no answer) at step 1; gloo would wait for its 60 s
+    timeout, as NCCL waits for its own. Each survivor's watchdog finds its collective stuck for
+    HYBRIDSHARD_FAULT_SECONDS, finds rank 1 silent twice, and stops naming it, while the other
+    survivors, stuck and asking at the same moment, are named alive."""
+    env = {"HYBRIDSHARD_FAULT_SECONDS": "2", "FAULT_PG_TIMEOUT": "60", "FAULT_SLEEP": "25", "HYBRIDSHARD_EXIT_WAIT": "1"}
+    results = _run("hang", env=env)
+    assert results[1]["code"] == -9, results[1]  # frozen until killed, after the survivors left
+    for rank in (0, 2, 3):
+        r = results[rank]
+        assert r["code"] == 1 and r["outcome"] == "no result", r
+        cause = [line for line in r["output"].splitlines() if "was lost" in line]
+        assert cause and re.match(r"rank 1 was lost \(killed, crashed or hung: no answer within 9s\); so [\w ]+ on the "
+                                  rf"\w+ group \(ranks \[[0-9, ]+\]\) failed on rank {rank} \(step 1", cause[0]), r["output"]
+        stuck = re.search(r"was still in flight after (\d+)s \(HYBRIDSHARD_FAULT_SECONDS\)", r["output"])
+        assert stuck and 2 <= int(stuck.group(1)) <= 6, r["output"]
+        assert "rank 1: no answer" in r["output"], r["output"]
+        for other in {0, 2, 3} - {rank}:  # asked while stuck themselves: they still answered
+            assert re.search(rf"collective  rank {other}: in |failed  rank {other} stopped: ", r["output"]), r["output"]
 
 
 def test_unreachable_store_is_said_instead_of_naming_every_rank(monkeypatch):

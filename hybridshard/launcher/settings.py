@@ -65,8 +65,10 @@ NCCL_FAULT_DEFAULTS = (
 [Note: NCCL faults]
 On NCCL a failed or timed-out collective is found by the process group's watchdog thread, not by the
 Python code that issued it (``wait()`` returns at once; see [Note: stream executor] in
-``hybridshard/runtime/streams.py``), so the runtime's gloo-style fault report (which rank raised or
-was lost) does not run there. What the launcher can do is make the failure end the job promptly and
+``hybridshard/runtime/streams.py``), so no error is raised where the collective was issued. The
+runtime's watchdog names the lost rank from the job's store once a collective has been stuck for
+``HYBRIDSHARD_FAULT_SECONDS`` and stops the process (see [Note: a stuck collective with a lost peer] in
+``hybridshard/runtime/faults.py``). The launcher makes every other failure end the job promptly and
 leave evidence: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` makes the watchdog stop the process on a
 timeout or a peer's failure without a communicator abort that could itself hang (torchrun's agent
 then stops or restarts every worker), and ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` with a trace buffer of the

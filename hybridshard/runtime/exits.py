@@ -29,7 +29,7 @@ from typing import Any
 
 from hybridshard.runtime import faults, peers
 from hybridshard.runtime.position import where
-from hybridshard.runtime.watchdog import my_status, table
+from hybridshard.runtime.watchdog import my_status
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def _at_exit() -> None:
         blocked = [r for r in reports if r.state in ("collective", "failed") and me in r.ranks and not r.call]
         if blocked:
             _leave_out_of_step(
-                f"ranks {[r.rank for r in blocked]} are still in training collectives", [table(reports)]
+                f"ranks {[r.rank for r in blocked]} are still in training collectives", [peers.table(reports)]
             )
         time.sleep(0.5)
     logger.info("rank %d: exiting while some ranks have not finished yet (waited %.0fs)", me, exit_wait_seconds())
@@ -120,9 +120,4 @@ def _leave_out_of_step(why: str, details: list[str]) -> None:
         "some ranks?), so this rank's weights are not the others'.\n%s",
         me, where.step, why, "\n".join(details),
     )
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    os._exit(1)
+    faults.stop_now(1)

@@ -20,13 +20,13 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REPORT_SECONDS", "Report", "ask_everyone", "answer", "asked", "publish", "published", "store"]
+__all__ = ["REPORT_SECONDS", "Report", "ask_everyone", "answer", "asked", "publish", "published", "store", "table"]
 
 REPORT_SECONDS = 3.0
 """How long a rank waits for every rank's answer before naming the silent ones lost."""
@@ -128,11 +128,14 @@ def answer(n: int, status: dict[str, Any]) -> None:
         logger.debug("could not answer ask %d", n, exc_info=True)
 
 
-def ask_everyone(mine: dict[str, Any], seconds: float = REPORT_SECONDS) -> list[Report] | None:
+def ask_everyone(mine: dict[str, Any], seconds: float = REPORT_SECONDS,
+                 while_waiting: Callable[[], None] | None = None) -> list[Report] | None:
     """Ask every rank where it is; one :class:`Report` per rank, ``None`` when the store is unreachable.
 
     ``mine`` is this rank's own answer (see :func:`answer`). Ranks that published that they raised or finished
     are reported so even if they answer nothing; the others that do not answer in ``seconds`` are lost.
+    ``while_waiting`` runs between polls: the watchdog thread, which answers the others' asks, keeps
+    answering them while it asks itself (ranks stuck in the same collective ask at the same time).
     """
     s = store()
     if s is None:
@@ -145,6 +148,8 @@ def ask_everyone(mine: dict[str, Any], seconds: float = REPORT_SECONDS) -> list[
         keys = {r: f"hybridshard/status/{n}/{r}" for r in range(world)}
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and not s.check(list(keys.values())):
+            if while_waiting is not None:
+                while_waiting()
             time.sleep(0.1)
         answers = {r: json.loads(s.get(k).decode()) for r, k in keys.items() if s.check([k])}
         raised = published("raised", list(range(world))) or {}
@@ -167,3 +172,8 @@ def ask_everyone(mine: dict[str, Any], seconds: float = REPORT_SECONDS) -> list[
         else:
             out.append(Report(r, "lost", f"rank {r}: no answer within {seconds:.0f}s (killed, crashed or hung)"))
     return out
+
+
+def table(reports: list[Report]) -> str:
+    """One line per rank, aligned: what the hang report and fault messages print."""
+    return "\n".join(f"  {r.state:>10}  {r.text}" for r in reports)

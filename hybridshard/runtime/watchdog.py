@@ -15,7 +15,10 @@ model, wakes about once a second and
   group's timeout, 30 minutes by default), asks every rank and logs one table naming where each
   rank is, once per stuck collective. A collective issued on some ranks only (``full_state_dict``
   under ``if rank == 0``, say) is then named within that time on gloo and NCCL alike, instead of
-  failing silently at the timeout.
+  failing silently at the timeout;
+- when a collective of this rank has been in flight longer than :func:`fault_seconds` and a rank of
+  its group raised, left or is lost, logs why and stops the process (see [Note: a stuck collective
+  with a lost peer] in :mod:`hybridshard.runtime.faults`).
 """
 
 from __future__ import annotations
@@ -31,23 +34,34 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hybridshard.runtime import peers
+from hybridshard.runtime import faults, peers
 from hybridshard.runtime.position import Where, current_where, snapshot
 from hybridshard.topology.groups import group_ranks
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InFlight", "begin", "end", "hang_seconds", "my_status", "start", "table"]
+__all__ = ["InFlight", "begin", "end", "hang_seconds", "my_status", "start"]
 
 _DEFAULT_HANG_SECONDS = 300.0
+_DEFAULT_FAULT_SECONDS = 60.0
+
+
+def _seconds(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
 
 
 def hang_seconds() -> float:
     """Seconds a collective may stay in flight before the hang report (``HYBRIDSHARD_HANG_SECONDS``)."""
-    try:
-        return float(os.environ.get("HYBRIDSHARD_HANG_SECONDS", _DEFAULT_HANG_SECONDS))
-    except ValueError:
-        return _DEFAULT_HANG_SECONDS
+    return _seconds("HYBRIDSHARD_HANG_SECONDS", _DEFAULT_HANG_SECONDS)
+
+
+def fault_seconds() -> float:
+    """Seconds a collective may stay in flight before its group's ranks are checked for a lost one
+    (``HYBRIDSHARD_FAULT_SECONDS``; 0 or less: never)."""
+    return _seconds("HYBRIDSHARD_FAULT_SECONDS", _DEFAULT_FAULT_SECONDS)
 
 
 @dataclass
@@ -64,6 +78,8 @@ class InFlight:
     work: Any = None
     """The backend's handle of an asynchronous collective, polled for completion."""
     reported: bool = False
+    checked: bool = False
+    """Its group's ranks were checked for a lost one (see :func:`fault_seconds`)."""
 
     def ranks(self) -> list[int]:
         """The group's global ranks; none once the group was destroyed (at exit) while this was registered."""
@@ -134,25 +150,34 @@ def my_status() -> dict[str, Any]:
             "call": here.call}
 
 
-def table(reports: list[peers.Report]) -> str:
-    """One line per rank, aligned: what the hang report and fault messages print."""
-    return "\n".join(f"  {r.state:>10}  {r.text}" for r in reports)
+def _poll_seconds() -> float:
+    """About once a second; faster when a limit is only seconds (tests)."""
+    limits = [x for x in (hang_seconds(), fault_seconds()) if x > 0]
+    return min(1.0, max(0.05, min(limits, default=4.0) / 4))
+
+
+_ANSWERED = {"n": 0}
+
+
+def _answer_asks() -> None:
+    """Answer every ask of the other ranks since the last call (the watchdog thread only)."""
+    n = peers.asked()
+    if n > _ANSWERED["n"]:
+        status = my_status()
+        for k in range(_ANSWERED["n"] + 1, n + 1):
+            if not peers.is_own_ask(k):
+                peers.answer(k, status)
+        _ANSWERED["n"] = n
 
 
 def _loop() -> None:
-    answered = 0
-    while not _STOP.wait(min(1.0, max(0.05, hang_seconds() / 4))):
+    while not _STOP.wait(_poll_seconds()):
         if not dist.is_initialized():
             continue
         try:
-            n = peers.asked()
-            if n > answered:
-                status = my_status()
-                for k in range(answered + 1, n + 1):
-                    if not peers.is_own_ask(k):
-                        peers.answer(k, status)
-                answered = n
+            _answer_asks()
             _report_if_stuck()
+            _stop_if_peers_gone()
         except Exception:  # noqa: BLE001 - the watchdog must never take the job down
             logger.debug("watchdog iteration failed", exc_info=True)
 
@@ -164,7 +189,7 @@ def _report_if_stuck() -> None:
         return
     for entry in stuck:
         entry.reported = True
-    reports = peers.ask_everyone(my_status())
+    reports = peers.ask_everyone(my_status(), while_waiting=_answer_asks)
     rank = dist.get_rank()
     head = (f"rank {rank} has been in {stuck[0].describe(now)} for longer than {limit:.0f}s "
             "(HYBRIDSHARD_HANG_SECONDS); where every rank is:")
@@ -172,7 +197,27 @@ def _report_if_stuck() -> None:
         logger.error("%s unknown: the job's store cannot be reached", head)
         return
     logger.error("%s\n%s\nA collective issued on some ranks only (say under `if rank == 0`) or a rank "
-                 "that left the training loop early leaves the others waiting like this.", head, table(reports))
+                 "that left the training loop early leaves the others waiting like this.", head, peers.table(reports))
+
+
+def _stop_if_peers_gone() -> None:
+    """See [Note: a stuck collective with a lost peer] in :mod:`hybridshard.runtime.faults`."""
+    limit, now = fault_seconds(), time.monotonic()
+    if limit <= 0:
+        return
+    stuck = [e for e in _prune() if not e.checked and now - e.started > limit]
+    if not stuck:
+        return
+    for entry in stuck:
+        entry.checked = True
+    entry = stuck[0]
+    message = faults.peers_gone(entry.kind, entry.group, entry.ranks(), entry.where.describe(),
+                                now - entry.started, my_status(), while_waiting=_answer_asks)
+    if message is None:
+        return
+    logger.critical("%s", message)
+    peers.publish("failed", f"rank {peers.identity()[0]} stopped: {faults.first_line(message)}")
+    faults.stop_now(1)
 
 
 def start() -> None:
@@ -181,6 +226,7 @@ def start() -> None:
         if "thread" in _THREAD and _THREAD["thread"].is_alive():
             return
         _STOP.clear()
+        _ANSWERED["n"] = 0
         thread = threading.Thread(target=_loop, name="hybridshard-watchdog", daemon=True)
         _THREAD["thread"] = thread
     thread.start()
