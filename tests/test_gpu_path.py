@@ -59,11 +59,17 @@ def _label(c: RM.Config) -> str:
 def run_recorded(configs: list[RM.Config]) -> list[dict]:
     """Each config under the issue-order recorder; results, the order and the issuing threads."""
     from hybridshard import record_issue_order
+    from hybridshard.runtime import offload
 
+    taken = []
+    take = offload.Staged.take
+    offload.Staged.take = lambda self, *a: taken.append(1) or take(self, *a)  # counts staged inputs used
     out = []
     for cfg in configs:
+        taken.clear()
         with record_issue_order() as log:
             got = RM.sharded_run(cfg)
+        got["staged"] = len(taken)
         got["order"] = log.signatures()
         got["per_group"] = {g: [i.signature for i in issues] for g, issues in log.by_group().items()}
         got["threads"] = {f"{g}/{p}": sorted(t) for (g, p), t in log.threads_per_phase().items()}
@@ -115,10 +121,12 @@ def test_stream_executor_issue_order_and_results(sweep, index):
 
 @pytest.mark.parametrize("index", [i for i, c in enumerate(MATRIX) if c.offload], ids=lambda i: _label(MATRIX[i]))
 def test_cpu_offload_is_a_no_op_on_cpu(sweep, index):
-    """On a CPU device the master already lives in CPU memory: bitwise the run without offload."""
+    """On a CPU device the master already lives in CPU memory: bitwise the run without offload, with
+    the gathers' inputs staged ahead all the same (see [Note: CPU offload])."""
     plain = MATRIX.index(replace(MATRIX[index], offload=False))
     for executor in EXECUTORS:
         for a, b in zip(sweep[(executor, index)], sweep[(executor, plain)]):
+            assert a["staged"] > 0 and b["staged"] == 0, (a["staged"], b["staged"])
             assert a["losses"] == b["losses"] and a["counts"] == b["counts"]
             assert all(torch.equal(a["state"][k], v) for k, v in b["state"].items())
 
@@ -277,6 +285,16 @@ def test_executor_choice(monkeypatch):
         resolve_executor(None, cpu)
     with pytest.raises(ValueError, match=r"^executor='threads' runs on CPU tensors only, but the model is on cuda:0; use"):
         resolve_executor("threads", cuda)
+
+
+def test_a_staged_input_is_used_only_while_the_master_is_unchanged():
+    from hybridshard.runtime.offload import stage
+
+    master = torch.arange(4.0)
+    staged = stage(lambda: master.to(torch.bfloat16), (master._version,), None)
+    assert staged.take((master._version,), master.device) is staged.tensor
+    master.add_(1)  # an optimizer step after it was staged
+    assert staged.take((master._version,), master.device) is None
 
 
 def test_offload_and_scaler_arguments():

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from hybridshard.runtime.layout import FlatLayout
-from hybridshard.runtime.offload import CPUOffload, place_master
+from hybridshard.runtime.offload import CPUOffload, Staged, place_master, stage
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,9 @@ class FlatParam:
         self.device = sharded.device if device is None else device
         """The compute device: where the unsharded buffer lives (the master may be offloaded)."""
         self.sharded = sharded if offload is None else place_master(sharded, offload)
+        self.offload = offload
+        self._staged: Staged | None = None
+        """The next all-gather's input, made ahead (offload only; see [Note: CPU offload])."""
         self.compute_dtype = compute_dtype
         self.grad_dtype = grad_dtype
         # The leaf requires grad even when every parameter is frozen now: a parameter unfrozen after
@@ -160,7 +163,26 @@ class FlatParam:
 
     def gather_input(self) -> torch.Tensor:
         """This rank's contribution to the all-gather: the master shard in the compute dtype, on the
-        compute device (an offloaded master is copied there; see [Note: CPU offload])."""
+        compute device (an offloaded master is copied there, ahead when staged; see [Note: CPU offload])."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            tensor = staged.take(self.master_versions(), self.device)
+            if tensor is not None:
+                return tensor
+        return self._make_gather_input()
+
+    def stage_gather_input(self, stream: object) -> bool:
+        """Make the next all-gather's input now, on ``stream`` (the copy stream; ``None``: here), when
+        the master is offloaded; whether it was staged."""
+        if self.offload is None or self.aliases_master or self._staged is not None or not self.layout.slots:
+            return False
+        self._staged = stage(self._make_gather_input, self.master_versions(), stream)
+        return True
+
+    def drop_staged(self) -> None:
+        self._staged = None
+
+    def _make_gather_input(self) -> torch.Tensor:
         if self.sharded.device != self.device:
             return self.sharded.to(self.device, dtype=self.compute_dtype, non_blocking=True)
         return self.sharded if self.sharded.dtype == self.compute_dtype else self.sharded.to(self.compute_dtype)

@@ -6,28 +6,37 @@ when CUDA is present, so copies to the GPU run asynchronously), and so do the or
 (views of it), their ``.grad`` and therefore the optimizer's state: ``optimizer.step()`` runs on the
 CPU. Only gathered buffers and the gradients in flight use the GPU. The steps change like this:
 
-* gather: the shard is copied to the GPU (and cast to the compute dtype) right before its
-  all-gather, on the same side stream (the all-gather stream of [Note: stream executor] in
-  :mod:`hybridshard.runtime.streams`). A prefetch issues both ahead, so the copy of the next units'
-  shards runs while the current unit computes; the copy's buffer is used only on that stream;
+* gather: the shard is copied to the GPU (and cast to the compute dtype) ahead of its all-gather, on
+  the copy stream: when unit ``k`` starts, the prefetcher issues the all-gathers of ``k+1 ..
+  k+prefetch`` and *stages* the next unit's shard (:func:`stage`), so its host-to-device copy runs on
+  the copy engine while the all-gathers use the links and unit ``k`` computes. The all-gather stream
+  waits on the copy's event before reading it, and the staged buffer is recorded on that stream, so
+  the allocator does not hand it out again before the all-gather read it. A staged copy is used only
+  if the master did not change since (its version counters are compared, as in [Note: stale
+  gathers] of :mod:`hybridshard.runtime.unit`); a stale or unused one is dropped at the end of the
+  pass. The copy only reads the master, so dropping one still in flight is harmless. A unit with no
+  staged copy (the first ones, prefetch off) copies right before its all-gather, on the all-gather
+  stream;
 * reduction: unchanged on the GPU; at the end of backward each reduced shard is copied to the CPU
   into the flat gradient shard the parameters' ``.grad`` view. That copy waits for the device, so
   every copy out of the master shard has finished before the optimizer steps it on the CPU.
 
-On a CPU device the master is already in CPU memory: offloading changes nothing (and costs nothing),
-which is what the CPU tests check.
+On a CPU device the master is already in CPU memory: offloading changes nothing but when the
+all-gather's input is made (a cast under mixed precision happens when the unit is staged), which is
+what the CPU tests check, staging and its version check included.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CPUOffload", "master_device", "parse_offload", "place_master"]
+__all__ = ["CPUOffload", "Staged", "master_device", "parse_offload", "place_master", "stage"]
 
 
 @dataclass(frozen=True)
@@ -67,3 +76,36 @@ def place_master(shard: torch.Tensor, offload: CPUOffload | None) -> torch.Tenso
     if offload.pin_memory and torch.cuda.is_available():
         out = out.pin_memory()
     return out
+
+
+@dataclass
+class Staged:
+    """A unit's all-gather input made ahead of its gather; see [Note: CPU offload]."""
+
+    tensor: torch.Tensor
+    event: Any
+    """The copy stream's event after the copy (``None`` on CPU: made synchronously)."""
+    versions: tuple[int, ...]
+    """The master's version counters when it was made."""
+
+    def take(self, versions: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+        """The staged input for use on the current stream, or ``None`` if the master changed since."""
+        if versions != self.versions:
+            return None
+        if self.event is not None:
+            current = torch.cuda.current_stream(device)
+            current.wait_event(self.event)
+            self.tensor.record_stream(current)  # made on the copy stream, read on this one
+        return self.tensor
+
+
+def stage(make: Callable[[], torch.Tensor], versions: tuple[int, ...], stream: Any) -> Staged:
+    """Run ``make`` (the all-gather input: the master copied to the device and cast) on ``stream``,
+    the copy stream, or right here without one (CPU)."""
+    if stream is None:
+        return Staged(make(), None, versions)
+    with torch.cuda.stream(stream):
+        tensor = make()
+        event = torch.cuda.Event()
+        event.record(stream)
+    return Staged(tensor, event, versions)

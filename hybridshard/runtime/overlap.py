@@ -149,6 +149,9 @@ def _worker() -> _Worker:
 class Executor:
     """What both executors share: ``drain`` (each defines it) and ``abort`` on top of it."""
 
+    copy_stream: Any = None
+    """Where offloaded shards are copied to the device ahead of their gathers (CUDA only)."""
+
     def drain(self) -> list[tuple[Any, torch.Tensor]]:
         raise NotImplementedError
 

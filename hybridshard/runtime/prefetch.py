@@ -95,18 +95,20 @@ class Prefetcher:
         ahead = 0
         order = self._orders[phase]
         for index in following:
-            if ahead == self.depth:
-                break
             if order.visited(index):
                 # Already computed in this pass (the order changed): gathering it again would give
                 # this rank one collective more than the others.
                 continue
             other = self.units[index]
+            if ahead == self.depth:
+                other.stage()  # an offloaded shard's copy to the device, one unit further ahead
+                break
             if other.prefetch() or other.prefetched:
                 ahead += 1
 
     def end_forward(self) -> None:
         """Free ZeRO-3 units gathered ahead during this forward that it did not use."""
         for unit in self.units:
+            unit.flat.drop_staged()
             if unit.prefetched and unit.reshard_after_forward and unit.index != 0:
                 unit.reshard()

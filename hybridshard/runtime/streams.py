@@ -69,7 +69,8 @@ class Fence:
 
 
 class StreamSet:
-    """The three side streams of one device ("all_gather", "reduce_scatter", "all_reduce"); on CPU, none."""
+    """The side streams of one device ("all_gather", "reduce_scatter", "all_reduce", and "copy" for the
+    host-to-device copies of offloaded shards); on CPU, none."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -79,6 +80,7 @@ class StreamSet:
         self.all_gather = make()
         self.reduce_scatter = make()
         self.all_reduce = make()
+        self.copy = torch.cuda.Stream(device) if self.on_cuda else None
 
     @contextlib.contextmanager
     def side(self, stream: Any, *, after: Fence | None = None, follow_compute: bool = True) -> Iterator[None]:
@@ -142,6 +144,10 @@ class StreamExecutor(Executor):
 
     def __bool__(self) -> bool:
         return bool(self._jobs)
+
+    @property
+    def copy_stream(self) -> Any:
+        return self.streams.copy
 
     def gather(self, output: torch.Tensor, make_input: Callable[[], torch.Tensor], group: Any, *,
                stats: Any = None, async_op: bool = False) -> Fence | None:

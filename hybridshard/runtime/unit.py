@@ -212,6 +212,12 @@ class Unit:
             self.frozen_part.prefetch()
         return True
 
+    def stage(self) -> None:
+        """Start copying an offloaded master shard to the device ahead of its gather (see [Note: CPU
+        offload] in :mod:`hybridshard.runtime.offload`); nothing without offload."""
+        if self.sharded_state is ShardedState.SHARDED and self.groups.shard_size > 1:
+            self.flat.stage_gather_input(self.runtime.executor.copy_stream)
+
     def _gather(self, async_op: bool = False) -> C.Pending | None:
         """Fill the allocated unsharded buffer from every rank's master shard."""
         self.flat.writeback_params()
@@ -373,12 +379,14 @@ class Unit:
             if self.reduction.holds_gradient:
                 self.reduction.reduce(None, SyncMode.SYNC)
         self.reshard()
+        self.flat.drop_staged()
         self.training_state = TrainingState.IDLE
         self._stop_watching()
 
     def abort_backward(self) -> None:
         """After a backward that raised: drop its unreduced gradient, free the buffer, go back to IDLE."""
         self.flat.unsharded.grad = None
+        self.flat.drop_staged()
         self.reshard()
         self.training_state = TrainingState.IDLE
         self._stop_watching()
