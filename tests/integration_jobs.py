@@ -1,0 +1,137 @@
+"""Rank-side jobs of tests/test_integrations.py: the tiny Llama of tests/hf_models.py trained by the
+Hugging Face ``Trainer`` (:class:`hybridshard.integrations.hf.HybridShardTrainer`) and by Lightning's
+``Trainer`` (:class:`hybridshard.integrations.lightning.HybridShardStrategy`), and the one-process
+reference both are compared with.
+
+Data: ``ROWS`` fixed sequences (tests/hf_models.py's rule), read in order. A trainer on ``world``
+ranks gives rank ``r`` micro-batch ``i`` the rows of global micro-batch ``i`` at ``r * MICRO``; so
+step ``s`` of every run trains on rows ``[s * W, (s + 1) * W)`` with ``W = ACCUM * world * MICRO``,
+which is what the reference takes in one process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from tests import hf_models as HF
+
+MICRO, ACCUM, STEPS, LR, CLIP = 2, 2, 4, 0.1, 0.5
+"""Per-rank micro-batch, micro-batches per step, steps, SGD learning rate, max gradient norm."""
+
+
+def rows(world: int) -> dict[str, torch.Tensor]:
+    """Every sequence the runs train on, in order."""
+    return HF.batch(0, 0, STEPS * ACCUM * world * MICRO)
+
+
+class Rows(torch.utils.data.Dataset):
+    """``rows`` as a map-style dataset of dicts (what the Trainer's default collator stacks)."""
+
+    def __init__(self, world: int) -> None:
+        self.data = rows(world)
+
+    def __len__(self) -> int:
+        return len(self.data["input_ids"])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.data.items()}
+
+
+def reference(world: int, steps: int = STEPS) -> dict[str, Any]:
+    """One plain process: each step's rows in ``ACCUM`` micro-batches, token-mean loss, clipped SGD."""
+    model, _ = HF.make_model("llama")
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data, width = rows(world), ACCUM * world * MICRO
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for m in range(ACCUM):
+            lo = step * width + m * world * MICRO
+            loss = model(**{k: v[lo : lo + world * MICRO] for k, v in data.items()}).loss / ACCUM
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def logits_of(model: torch.nn.Module) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(**HF.batch(7, 0, 2)).logits
+
+
+# Hugging Face Trainer
+
+
+def _hf_args(out: str, steps: int, save_steps: int | None) -> Any:
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out, max_steps=steps, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM,
+        learning_rate=LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=CLIP,
+        train_sampling_strategy="sequential", logging_steps=1, report_to=[], disable_tqdm=True,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, use_cpu=True,
+        dataloader_num_workers=0, seed=0,
+    )
+
+
+def _hf_losses(trainer: Any) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def hf_train(strategy: str, out: str) -> dict[str, Any]:
+    """Train ``STEPS`` steps saving a checkpoint at step 2, export with ``save_model``; then resume a fresh
+    trainer from that checkpoint (the second half's losses, final state); and the errors of bad input."""
+    import hybridshard as hs
+    from hybridshard.integrations.hf import HybridShardTrainer
+    from tests import runtime_models as RM
+
+    world = torch.distributed.get_world_size()
+    model, _ = HF.make_model("llama")
+    trainer = HybridShardTrainer(model=model, args=_hf_args(out, STEPS, save_steps=2), train_dataset=Rows(world),
+                                 strategy=strategy, groups=RM.groups())
+    trainer.train()
+    result: dict[str, Any] = {
+        "losses": _hf_losses(trainer), "state": hs.full_state_dict(model), "logits": logits_of(model),
+        "ddp": type(trainer.model_wrapped).__name__, "units": len(model._hybridshard_runtime.units),
+    }
+    trainer.save_model(out)
+    result["checkpoints"] = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))
+
+    model, _ = HF.make_model("llama", seed=1)  # other weights: the resume must replace them
+    resumed = HybridShardTrainer(model=model, args=_hf_args(out, STEPS, save_steps=None), train_dataset=Rows(world),
+                                 strategy=strategy, groups=RM.groups())
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    result["resumed_losses"] = _hf_losses(resumed)
+    result["resumed_state"] = hs.full_state_dict(model)
+    return result
+
+
+def hf_errors(out: str) -> dict[str, str]:
+    """First lines of the errors for arguments the trainer refuses."""
+    from transformers import TrainingArguments
+
+    from hybridshard.integrations.hf import HybridShardTrainer
+
+    def first_line(**kw: Any) -> str:
+        try:
+            HybridShardTrainer(**kw)
+        except ValueError as e:
+            return str(e).splitlines()[0]
+        return "returned"
+
+    model, _ = HF.make_model("llama")
+    args = dict(output_dir=out, use_cpu=True, report_to=[])
+    return {
+        "no_model": first_line(args=TrainingArguments(**args)),
+        "no_args": first_line(model=model),
+        "bf16": first_line(model=model, args=TrainingArguments(**args, bf16=True)),
+        "best": first_line(model=model, args=TrainingArguments(**args, load_best_model_at_end=True,
+                                                               eval_strategy="steps", save_strategy="steps")),
+    }
