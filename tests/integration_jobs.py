@@ -20,6 +20,8 @@ from tests import hf_models as HF
 
 MICRO, ACCUM, STEPS, LR, CLIP = 2, 2, 4, 0.1, 0.5
 """Per-rank micro-batch, micro-batches per step, steps, SGD learning rate, max gradient norm."""
+LIT_STEPS = 2
+"""Steps per epoch of the Lightning runs (which resume from an epoch's end): the rows of steps 0 and 1."""
 
 
 def rows(world: int) -> dict[str, torch.Tensor]:
@@ -40,13 +42,14 @@ class Rows(torch.utils.data.Dataset):
         return {k: v[i] for k, v in self.data.items()}
 
 
-def reference(world: int, steps: int = STEPS) -> dict[str, Any]:
-    """One plain process: each step's rows in ``ACCUM`` micro-batches, token-mean loss, clipped SGD."""
+def reference(world: int, blocks: list[int]) -> dict[str, Any]:
+    """One plain process: for each step, the rows of step ``blocks[i]`` in ``ACCUM`` micro-batches,
+    token-mean loss, clipped SGD."""
     model, _ = HF.make_model("llama")
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     data, width = rows(world), ACCUM * world * MICRO
     losses = []
-    for step in range(steps):
+    for step in blocks:
         total = 0.0
         for m in range(ACCUM):
             lo = step * width + m * world * MICRO
@@ -135,3 +138,87 @@ def hf_errors(out: str) -> dict[str, str]:
         "best": first_line(model=model, args=TrainingArguments(**args, load_best_model_at_end=True,
                                                                eval_strategy="steps", save_strategy="steps")),
     }
+
+
+# Lightning
+
+
+def _lightning_env() -> None:
+    """What torchrun sets besides the pool's variables, so Lightning finds a torchelastic launch."""
+    os.environ.setdefault("TORCHELASTIC_RUN_ID", "hybridshard-tests")
+    os.environ.setdefault("GROUP_RANK", str(int(os.environ["RANK"]) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    os.environ.setdefault("MASTER_PORT", "29500")
+
+
+def _lit_module(seed: int) -> Any:
+    import lightning as L
+
+    class LitLlama(L.LightningModule):
+        """The tiny Llama as a LightningModule: the loss of each micro-batch is kept to compare."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.llama, _ = HF.make_model("llama", seed=seed)
+            self.losses: list[float] = []
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            loss = self.llama(**batch).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    return LitLlama()
+
+
+def _step_losses(micro_losses: list[float]) -> list[float]:
+    """Each step's loss: the mean over ranks and over its ``ACCUM`` micro-batches."""
+    t = torch.tensor(micro_losses, dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return (t / torch.distributed.get_world_size()).reshape(-1, ACCUM).mean(dim=1).tolist()
+
+
+def lightning_train(strategy: Any, out: str, epochs: int = 2) -> dict[str, Any]:
+    """``Trainer.fit`` for ``epochs`` epochs of ``LIT_STEPS`` steps each, a checkpoint per epoch; then a fresh
+    module (other weights) resumed from the first epoch's checkpoint."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import hybridshard as hs
+    import hybridshard.integrations.lightning  # noqa: F401 - registers strategy="hybridshard"
+    from hybridshard.integrations.lightning import HybridShardStrategy
+    from tests import runtime_models as RM
+
+    _lightning_env()
+    world = torch.distributed.get_world_size()
+    # Lightning's own sampler shuffles training data (seeded); this one reads in order, as the reference.
+    rows_used = torch.utils.data.Subset(Rows(world), range(LIT_STEPS * ACCUM * world * MICRO))
+    sampler = torch.utils.data.DistributedSampler(rows_used, shuffle=False)
+    data = torch.utils.data.DataLoader(rows_used, batch_size=MICRO, sampler=sampler)
+
+    def fit(module: Any, ckpt_path: str | None) -> Any:
+        chosen = strategy if isinstance(strategy, str) else HybridShardStrategy(sharding_strategy=strategy, groups=RM.groups())
+        trainer = L.Trainer(
+            strategy=chosen, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+            num_nodes=world // int(os.environ["LOCAL_WORLD_SIZE"]), max_epochs=epochs,
+            accumulate_grad_batches=ACCUM, gradient_clip_val=CLIP, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, use_distributed_sampler=False, callbacks=[ModelCheckpoint(dirpath=out, save_top_k=-1)],
+        )
+        trainer.fit(module, data, ckpt_path=ckpt_path)
+        return trainer
+
+    module = _lit_module(seed=0)
+    trainer = fit(module, None)
+    result: dict[str, Any] = {
+        "losses": _step_losses(module.losses), "strategy": type(trainer.strategy).__name__,
+        "units": len(module._hybridshard_runtime.units), "global_step": trainer.global_step,
+        "state": {k.removeprefix("llama."): v for k, v in hs.full_state_dict(module).items()},
+        "checkpoints": sorted(os.listdir(out)),
+    }
+    first = os.path.join(out, next(c for c in result["checkpoints"] if c.startswith("epoch=0")))
+    resumed = _lit_module(seed=1)
+    fit(resumed, first)
+    result["resumed_losses"] = _step_losses(resumed.losses)
+    result["resumed_state"] = {k.removeprefix("llama."): v for k, v in hs.full_state_dict(resumed).items()}
+    return result
