@@ -179,9 +179,10 @@ def _step_losses(micro_losses: list[float]) -> list[float]:
     return (t / torch.distributed.get_world_size()).reshape(-1, ACCUM).mean(dim=1).tolist()
 
 
-def lightning_train(strategy: Any, out: str, epochs: int = 2) -> dict[str, Any]:
+def lightning_train(strategy: str, out: str, epochs: int = 2) -> dict[str, Any]:
     """``Trainer.fit`` for ``epochs`` epochs of ``LIT_STEPS`` steps each, a checkpoint per epoch; then a fresh
-    module (other weights) resumed from the first epoch's checkpoint."""
+    module (other weights) resumed from the first epoch's checkpoint. ``strategy``: a registered name
+    (``"hybridshard"``), or ``"instance:<sharding strategy>"`` for a ``HybridShardStrategy`` object."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -198,7 +199,9 @@ def lightning_train(strategy: Any, out: str, epochs: int = 2) -> dict[str, Any]:
     data = torch.utils.data.DataLoader(rows_used, batch_size=MICRO, sampler=sampler)
 
     def fit(module: Any, ckpt_path: str | None) -> Any:
-        chosen = strategy if isinstance(strategy, str) else HybridShardStrategy(sharding_strategy=strategy, groups=RM.groups())
+        chosen: Any = strategy
+        if strategy.startswith("instance:"):
+            chosen = HybridShardStrategy(sharding_strategy=strategy.split(":")[1], groups=RM.groups())
         trainer = L.Trainer(
             strategy=chosen, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
             num_nodes=world // int(os.environ["LOCAL_WORLD_SIZE"]), max_epochs=epochs,
