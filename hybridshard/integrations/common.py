@@ -46,7 +46,8 @@ def shard_model(model: nn.Module, *, strategy: Any, wrap: Any, groups: Any, shar
     when the caller sharded it (or a submodule) already, that module, unchanged.
 
     ``wrap=None`` takes the decoder-layer classes of a Hugging Face model (:func:`layer_classes`);
-    ``groups=None`` builds them from the discovered topology when the strategy is hybrid."""
+    ``groups=None`` builds them from the discovered topology when the strategy is hybrid (unless
+    ``shard_kwargs`` holds a ``mesh``)."""
     import hybridshard as hs
     from hybridshard.runtime.engine import holds_sharded_module
 
@@ -59,7 +60,7 @@ def shard_model(model: nn.Module, *, strategy: Any, wrap: Any, groups: Any, shar
         return sharded_module(model)
     if wrap is None:
         wrap = layer_classes(model) or None
-    if groups is None and hs.ShardingStrategy.parse(strategy).is_hybrid:
+    if groups is None and shard_kwargs.get("mesh") is None and hs.ShardingStrategy.parse(strategy).is_hybrid:
         groups = hs.init_groups()
     logger.info("sharding %s with %s, units %s", type(model).__name__, strategy, wrap)
     return hs.shard(model, strategy=strategy, wrap=wrap, groups=groups, **shard_kwargs)
