@@ -225,3 +225,51 @@ def lightning_train(strategy: str, out: str, epochs: int = 2) -> dict[str, Any]:
     result["resumed_losses"] = _step_losses(resumed.losses)
     result["resumed_state"] = {k.removeprefix("llama."): v for k, v in hs.full_state_dict(resumed).items()}
     return result
+
+
+# Lightning Fabric
+
+
+def fabric_train(out: str) -> dict[str, Any]:
+    """A Fabric loop over the rows of ``reference`` (``fabric.no_backward_sync`` for accumulation,
+    ``fabric.clip_gradients``), ``fabric.save`` after step 2; then a fresh model (other weights)
+    ``fabric.load``-ed from it, finishing the run."""
+    import lightning as L
+
+    import hybridshard as hs
+    import hybridshard.integrations.fabric  # noqa: F401 - registers strategy="hybridshard" for Fabric
+    from hybridshard.integrations.common import sharded_module
+
+    _lightning_env()
+    world, local = torch.distributed.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+    fabric = L.Fabric(accelerator="cpu", devices=local, num_nodes=world // local, strategy="hybridshard")
+    fabric.launch()
+    data, width, path = rows(world), ACCUM * world * MICRO, os.path.join(out, "step-2")
+
+    def run(seed: int, resume: bool) -> tuple[list[float], Any]:
+        model = fabric.setup_module(HF.make_model("llama", seed=seed)[0])
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR))
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        if resume:
+            fabric.load(path, state)
+        micro_losses = []
+        for step in range(state["step"], STEPS):
+            for m in range(ACCUM):
+                lo = step * width + m * world * MICRO + fabric.global_rank * MICRO
+                with fabric.no_backward_sync(model, enabled=m < ACCUM - 1):
+                    loss = model(**{k: v[lo : lo + MICRO] for k, v in data.items()}).loss
+                    fabric.backward(loss / ACCUM)
+                micro_losses.append(loss.item())
+            fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+            state["step"] = step + 1
+            if state["step"] == 2 and not resume:
+                fabric.save(path, state)
+        return _step_losses(micro_losses), sharded_module(model)
+
+    losses, model = run(seed=0, resume=False)
+    resumed_losses, resumed = run(seed=1, resume=True)
+    return {"losses": losses, "state": hs.full_state_dict(model), "resumed_losses": resumed_losses,
+            "resumed_state": hs.full_state_dict(resumed), "strategy": type(fabric.strategy).__name__,
+            "units": len(model._hybridshard_runtime.units)}

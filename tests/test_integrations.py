@@ -1,5 +1,5 @@
-"""The trainers people already run: the Hugging Face ``Trainer`` (``HybridShardTrainer``) and Lightning's
-``Trainer`` (``HybridShardStrategy``) on 2 simulated nodes x 2 ranks, with the tiny Llama of
+"""The trainers people already run: the Hugging Face ``Trainer`` (``HybridShardTrainer``), Lightning's
+``Trainer`` (``HybridShardStrategy``) and Fabric (``HybridShardFabricStrategy``) on 2 simulated nodes x 2 ranks, with the tiny Llama of
 tests/hf_models.py built from a config, against one plain process on the same rows.
 
 Every run accumulates gradients over 2 micro-batches and clips at a norm its gradients exceed; a
@@ -43,6 +43,8 @@ def runs(tmp_path_factory):
         for name in LIGHTNING_RUNS:
             out["dirs"][name] = str(root / f"lightning-{name.replace(':', '-')}")
             out[name] = pool.run(J.lightning_train, name, out["dirs"][name])
+        out["dirs"]["fabric"] = str(root / "fabric")
+        out["fabric"] = pool.run(J.fabric_train, out["dirs"]["fabric"])
     return out
 
 
@@ -164,11 +166,40 @@ def test_lightning_refuses_other_precisions():
         HybridShardStrategy(precision_plugin=HalfPrecision("bf16-true"))
 
 
-# Both
+# Lightning Fabric
+
+
+def test_fabric_matches_one_process_and_resumes(runs, reference):
+    ref = reference["hf"]  # the same rows in the same steps
+    for r in runs["fabric"]:
+        _check_parity(r["losses"], r["state"], ref)
+        assert r["strategy"] == "HybridShardFabricStrategy" and r["units"] == 3
+        assert r["resumed_losses"] == pytest.approx(ref["losses"][2:], abs=TOL)
+        assert _max_diff(r["resumed_state"], ref["state"]) <= TOL
+    manifest = json.load(open(os.path.join(runs["dirs"]["fabric"], "step-2", "hybridshard.json")))
+    assert manifest["optimizer"] is not None and manifest["extra"]
+
+
+def test_fabric_registers_the_names_and_refuses_other_precisions():
+    from lightning.fabric.plugins.precision import HalfPrecision
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    import hybridshard as hs
+    from hybridshard.integrations.fabric import HybridShardFabricStrategy
+
+    made = STRATEGY_REGISTRY.get("hybridshard_full_shard")
+    assert isinstance(made, HybridShardFabricStrategy) and made.sharding_strategy is hs.ShardingStrategy.FULL_SHARD
+    strategy = HybridShardFabricStrategy(precision=HalfPrecision("bf16-true"))
+    with pytest.raises(ValueError, match=r"32-bit.*HalfPrecision.*mixed_precision"):
+        strategy.setup_module(torch.nn.Linear(2, 2))
+
+
+# All
 
 
 @pytest.mark.parametrize("module,library,extra", [
     ("hybridshard.integrations.lightning", "lightning", "lightning"),
+    ("hybridshard.integrations.fabric", "lightning", "lightning"),
     ("hybridshard.integrations.hf", "accelerate", "hf"),
 ])
 def test_a_missing_library_names_the_extra(monkeypatch, module, library, extra):

@@ -12,6 +12,15 @@ import torch.nn as nn
 
 logger = logging.getLogger(__name__)
 
+STRATEGY_NAMES = {
+    "hybridshard": "HYBRID_SHARD",
+    "hybridshard_zero2": "HYBRID_SHARD_ZERO2",
+    "hybridshard_full_shard": "FULL_SHARD",
+    "hybridshard_shard_grad_op": "SHARD_GRAD_OP",
+    "hybridshard_no_shard": "NO_SHARD",
+}
+"""The names Lightning's ``Trainer`` and Fabric accept as ``strategy=`` once the integration is imported."""
+
 
 def require(module: str, extra: str) -> ModuleType:
     """Import ``module``, or raise an ``ImportError`` that names the extra which installs it."""

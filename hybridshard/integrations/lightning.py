@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import hybridshard as hs
-from hybridshard.integrations.common import require, shard_model
+from hybridshard.integrations.common import STRATEGY_NAMES, require, shard_model
 
 require("lightning", "lightning")
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout  # noqa: E402
@@ -51,13 +51,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["HybridShardPrecision", "HybridShardStrategy"]
 
-_NAMES = {
-    "hybridshard": "HYBRID_SHARD",
-    "hybridshard_zero2": "HYBRID_SHARD_ZERO2",
-    "hybridshard_full_shard": "FULL_SHARD",
-    "hybridshard_shard_grad_op": "SHARD_GRAD_OP",
-    "hybridshard_no_shard": "NO_SHARD",
-}
 _CONTEXTS = {"training_step": "train_step_context", "validation_step": "val_step_context",
              "test_step": "test_step_context", "predict_step": "predict_step_context"}
 _DROPPED = ("state_dict", "optimizer_states")
@@ -303,7 +296,7 @@ class HybridShardStrategy(ParallelStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, strategy in _NAMES.items():
+        for name, strategy in STRATEGY_NAMES.items():
             strategy_registry.register(name, cls, description=f"hybridshard {strategy}", sharding_strategy=strategy,
                                        override=True)
 
