@@ -25,20 +25,17 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager, nullcontext
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import hybridshard as hs
 from hybridshard.integrations.common import STRATEGY_NAMES, require, shard_model, sharded_module
+from hybridshard.integrations.lightning_base import LightningStrategyBase
 
 require("lightning", "lightning")
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout  # noqa: E402
 from lightning.fabric.strategies import STRATEGY_REGISTRY, ParallelStrategy  # noqa: E402
 from lightning.fabric.strategies.strategy import _BackwardSyncControl  # noqa: E402
-from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -52,43 +49,18 @@ class _NoSync(_BackwardSyncControl):
         return hs.no_sync(sharded_module(module)) if enabled else nullcontext()
 
 
-class HybridShardFabricStrategy(ParallelStrategy):
+class HybridShardFabricStrategy(LightningStrategyBase, ParallelStrategy):
     """Shards each module given to ``fabric.setup`` with hybridshard; one process per device.
 
-    Arguments as :class:`hybridshard.integrations.lightning.HybridShardStrategy`: ``sharding_strategy``,
-    ``wrap``, ``groups`` and ``shard_kwargs`` for :func:`hybridshard.shard`; ``process_group_backend`` and
-    ``timeout`` for the process group, when this strategy creates it. Fabric's default 32-bit precision
-    only (mixed precision: ``shard_kwargs={"mixed_precision": ...}``).
+    Keyword arguments as for the Lightning ``Trainer``'s strategy (see :class:`LightningStrategyBase`),
+    with Fabric's ``precision=``: its default 32-bit precision only (mixed precision:
+    ``shard_kwargs={"mixed_precision": ...}``).
     """
 
-    def __init__(
-        self,
-        *,
-        sharding_strategy: hs.ShardingStrategy | str = hs.ShardingStrategy.HYBRID_SHARD,
-        wrap: Any = None,
-        groups: Any = None,
-        shard_kwargs: dict[str, Any] | None = None,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision: Any = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-    ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
-        self.sharding_strategy = hs.ShardingStrategy.parse(sharding_strategy)
-        self.wrap, self.groups, self.shard_kwargs = wrap, groups, dict(shard_kwargs or {})
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self._num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
         self._backward_sync_control = _NoSync()
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
 
     @property
     def num_nodes(self) -> int:
@@ -98,28 +70,11 @@ class HybridShardFabricStrategy(ParallelStrategy):
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
 
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
     def _configure_launcher(self) -> None:
         from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
+        if self.launcher_needed():
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        assert self.cluster_environment is not None
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)  # no-op when it exists
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         precision = type(self.precision).__name__
@@ -135,20 +90,6 @@ class HybridShardFabricStrategy(ParallelStrategy):
     def module_to_device(self, module: torch.nn.Module) -> None:
         pass  # shard() places each shard on the device of its groups
 
-    def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, torch.Tensor) else tensor
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
     def clip_gradients_norm(self, module: torch.nn.Module, optimizer: Any, max_norm: float, norm_type: float = 2.0,
                             error_if_nonfinite: bool = True) -> torch.Tensor:
         return hs.clip_grad_norm_(sharded_module(module), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
@@ -161,7 +102,9 @@ class HybridShardFabricStrategy(ParallelStrategy):
                 "without them"
             )
         module, optimizer, rest = _split(state)
-        hs.save_checkpoint(str(path), module, optimizer=optimizer, extra=rest)
+        result = hs.save_checkpoint(str(path), module, optimizer=optimizer, extra=rest)
+        logger.info("saved %s: %d bytes on this rank in %.2f s", result.path, result.bytes_per_rank[self.global_rank],
+                    result.seconds)
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: Any = None) -> dict[str, Any]:
         if not isinstance(state, dict):

@@ -32,18 +32,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import hybridshard as hs
 from hybridshard.integrations.common import STRATEGY_NAMES, require, shard_model
+from hybridshard.integrations.lightning_base import LightningStrategyBase
 
 require("lightning", "lightning")
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout  # noqa: E402
-from lightning.fabric.utilities.distributed import _init_dist_connection  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry  # noqa: E402
 
@@ -70,93 +67,32 @@ class HybridShardPrecision(Precision):
         hs.clip_grad_norm_(self.sharded, clip_val)
 
 
-class HybridShardStrategy(ParallelStrategy):
+class HybridShardStrategy(LightningStrategyBase, ParallelStrategy):
     """Shards the ``LightningModule`` with hybridshard; one process per device, as DDP and FSDP run.
 
-    ``sharding_strategy`` (the name ``FSDPStrategy`` uses), ``wrap`` and ``groups`` go to
-    :func:`hybridshard.shard` as ``strategy``, ``wrap`` and ``groups`` (``wrap=None``: the
-    ``_no_split_modules`` classes of the Hugging Face models inside the module, else only the root
-    unit; ``groups=None``: :func:`hybridshard.init_groups` for the hybrid strategies); ``shard_kwargs``
-    holds its other arguments. ``timeout`` and ``process_group_backend`` are used when this strategy
-    creates the process group.
+    Keyword arguments: ``sharding_strategy`` (the name ``FSDPStrategy`` uses), ``wrap``, ``groups``,
+    ``shard_kwargs`` (for :func:`hybridshard.shard`), ``process_group_backend``, ``timeout``, and
+    ``ParallelStrategy``'s (``precision_plugin`` ...); see :class:`LightningStrategyBase`.
     """
 
     strategy_name = "hybridshard"
 
-    def __init__(
-        self,
-        *,
-        sharding_strategy: hs.ShardingStrategy | str = hs.ShardingStrategy.HYBRID_SHARD,
-        wrap: Any = None,
-        groups: Any = None,
-        shard_kwargs: dict[str, Any] | None = None,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-    ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
-        self.sharding_strategy = hs.ShardingStrategy.parse(sharding_strategy)
-        self.wrap, self.groups, self.shard_kwargs = wrap, groups, dict(shard_kwargs or {})
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
         self.sharded: torch.nn.Module | None = None
 
-    # Processes and devices (as DDP and FSDP)
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+    # Processes and devices: LightningStrategyBase (as DDP and FSDP)
 
     @property
     def is_distributed(self) -> bool:
         return True  # Lightning then gives each rank its part of the data (DistributedSampler)
 
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
     def _configure_launcher(self) -> None:
         from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
+        if self.launcher_needed():
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        assert self.cluster_environment is not None
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)  # no-op when it exists
-
-    def barrier(self, name: str | None = None) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, torch.Tensor) else tensor
 
     # Precision
 
@@ -281,8 +217,10 @@ class HybridShardStrategy(ParallelStrategy):
                 f"{storage_options!r}); call trainer.save_checkpoint(path) without them"
             )
         extra = {k: v for k, v in checkpoint.items() if k not in _DROPPED}
-        hs.save_checkpoint(str(filepath), self.sharded, optimizer=self.optimizers[0] if self.optimizers else None,
-                           extra=extra)
+        result = hs.save_checkpoint(str(filepath), self.sharded,
+                                    optimizer=self.optimizers[0] if self.optimizers else None, extra=extra)
+        logger.info("saved %s: %d bytes on this rank in %.2f s", result.path, result.bytes_per_rank[self.global_rank],
+                    result.seconds)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         optimizer = self.optimizers[0] if self.optimizers else None
