@@ -5,7 +5,8 @@
     import hybridshard.integrations.fabric               # registers strategy="hybridshard" for Fabric
     fabric = L.Fabric(strategy="hybridshard", devices=8, num_nodes=2)
     fabric.launch()
-    model, optimizer = fabric.setup(model, optimizer)
+    model = fabric.setup_module(model)                   # sharded in place
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-4))
     with fabric.no_backward_sync(model, enabled=accumulating):
         fabric.backward(loss)
     fabric.clip_gradients(model, optimizer, max_norm=1.0)
@@ -116,7 +117,10 @@ class HybridShardFabricStrategy(LightningStrategyBase, ParallelStrategy):
         saved = hs.load_checkpoint(str(path), module, optimizer=optimizer) or {}
         missing = [k for k, v in state.items() if not _is_model_or_optimizer(v) and k not in saved]
         if strict and missing:
-            raise KeyError(f"{path} holds no {missing}; load with strict=False to keep their current values")
+            raise ValueError(
+                f"the state to load names {missing}, which {path} does not hold; drop them from the state, or "
+                "load with strict=False to keep their current values"
+            )
         for key in list(saved):
             if key in state:
                 value = saved.pop(key)
