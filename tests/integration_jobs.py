@@ -198,15 +198,16 @@ def lightning_train(strategy: str, out: str, epochs: int = 2) -> dict[str, Any]:
     sampler = torch.utils.data.DistributedSampler(rows_used, shuffle=False)
     data = torch.utils.data.DataLoader(rows_used, batch_size=MICRO, sampler=sampler)
 
-    def fit(module: Any, ckpt_path: str | None) -> Any:
+    def fit(module: Any, ckpt_path: str | None, **overrides: Any) -> Any:
         chosen: Any = strategy
         if strategy.startswith("instance:"):
             chosen = HybridShardStrategy(sharding_strategy=strategy.split(":")[1], groups=RM.groups())
+        settings = {"accumulate_grad_batches": ACCUM, "gradient_clip_val": CLIP, **overrides}
         trainer = L.Trainer(
             strategy=chosen, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-            num_nodes=world // int(os.environ["LOCAL_WORLD_SIZE"]), max_epochs=epochs,
-            accumulate_grad_batches=ACCUM, gradient_clip_val=CLIP, logger=False, enable_progress_bar=False,
-            enable_model_summary=False, use_distributed_sampler=False, callbacks=[ModelCheckpoint(dirpath=out, save_top_k=-1)],
+            num_nodes=world // int(os.environ["LOCAL_WORLD_SIZE"]), max_epochs=epochs, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+            callbacks=[ModelCheckpoint(dirpath=out, save_top_k=-1)], **settings,
         )
         trainer.fit(module, data, ckpt_path=ckpt_path)
         return trainer
@@ -224,6 +225,15 @@ def lightning_train(strategy: str, out: str, epochs: int = 2) -> dict[str, Any]:
     fit(resumed, first)
     result["resumed_losses"] = _step_losses(resumed.losses)
     result["resumed_state"] = {k.removeprefix("llama."): v for k, v in hs.full_state_dict(resumed).items()}
+    two = _lit_module(seed=0)
+    params = list(two.parameters())
+    two.configure_optimizers = lambda: [torch.optim.SGD(params[:1], lr=LR), torch.optim.SGD(params[1:], lr=LR)]
+    two.automatic_optimization = False  # Lightning's own rule for several optimizers
+    try:
+        fit(two, None, accumulate_grad_batches=1, gradient_clip_val=None)
+        result["two_optimizers"] = "returned"
+    except ValueError as e:
+        result["two_optimizers"] = str(e).splitlines()[0]
     return result
 
 
@@ -270,6 +280,14 @@ def fabric_train(out: str) -> dict[str, Any]:
 
     losses, model = run(seed=0, resume=False)
     resumed_losses, resumed = run(seed=1, resume=True)
+    before = hs.full_state_dict(resumed)
+    try:  # a state naming an entry the checkpoint lacks: refused, the model unchanged
+        fabric.load(path, {"model": resumed, "step": 0, "epoch": 0})
+        unknown = "returned"
+    except ValueError as e:
+        unknown = str(e).splitlines()[0]
+    after = hs.full_state_dict(resumed)
+    unknown += f" | unchanged={all(torch.equal(before[k], after[k]) for k in before)}"
     return {"losses": losses, "state": hs.full_state_dict(model), "resumed_losses": resumed_losses,
             "resumed_state": hs.full_state_dict(resumed), "strategy": type(fabric.strategy).__name__,
-            "units": len(model._hybridshard_runtime.units)}
+            "units": len(model._hybridshard_runtime.units), "unknown_entry": unknown}

@@ -144,6 +144,35 @@ def test_lightning_resume_continues_with_the_same_losses(runs, reference, run):
         assert _max_diff(r["resumed_state"], ref["state"]) <= TOL
 
 
+def test_lightning_takes_one_optimizer(runs):
+    assert "one optimizer, but configure_optimizers returned 2" in runs["hybridshard"][0]["two_optimizers"]
+
+
+def test_refusals_before_any_collective(tmp_path):
+    """The argument checks that need no process group, each with its first line."""
+    import hybridshard as hs
+    from hybridshard.integrations.common import shard_model, sharded_module
+    from hybridshard.integrations.fabric import HybridShardFabricStrategy
+    from hybridshard.integrations.lightning import HybridShardStrategy
+
+    with pytest.raises(RuntimeError, match="initialised default process group.*torchrun"):
+        shard_model(torch.nn.Linear(2, 2), strategy="FULL_SHARD", wrap=None, groups=None, shard_kwargs={})
+    with pytest.raises(ValueError, match="holds no sharded module"):
+        sharded_module(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="takes no storage_options"):
+        HybridShardStrategy().save_checkpoint({}, "ckpt", storage_options={"x": 1})
+    hs.save_checkpoint(tmp_path / "plain", torch.nn.Linear(2, 2))  # one plain process; no extra
+    with pytest.raises(ValueError, match="without Lightning's state"):
+        HybridShardStrategy().load_checkpoint(tmp_path / "plain")
+    fabric = HybridShardFabricStrategy()
+    with pytest.raises(ValueError, match="neither storage_options nor filter"):
+        fabric.save_checkpoint("ckpt", {}, filter={"model": lambda k, v: True})
+    with pytest.raises(ValueError, match="loads into a state dict"):
+        fabric.load_checkpoint("ckpt", state=None)
+    with pytest.raises(ValueError, match="one sharded module and at most one optimizer.*2 modules"):
+        fabric.save_checkpoint("ckpt", {"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
+
+
 def test_lightning_registers_the_strategy_names():
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -176,6 +205,8 @@ def test_fabric_matches_one_process_and_resumes(runs, reference):
         assert r["strategy"] == "HybridShardFabricStrategy" and r["units"] == 3
         assert r["resumed_losses"] == pytest.approx(ref["losses"][2:], abs=TOL)
         assert _max_diff(r["resumed_state"], ref["state"]) <= TOL
+    assert "names ['epoch'], which" in runs["fabric"][0]["unknown_entry"]
+    assert runs["fabric"][0]["unknown_entry"].endswith("unchanged=True")
     manifest = json.load(open(os.path.join(runs["dirs"]["fabric"], "step-2", "hybridshard.json")))
     assert manifest["optimizer"] is not None and manifest["extra"]
 

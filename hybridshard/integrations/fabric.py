@@ -33,6 +33,7 @@ import torch
 import hybridshard as hs
 from hybridshard.integrations.common import STRATEGY_NAMES, require, shard_model, sharded_module
 from hybridshard.integrations.lightning_base import LightningStrategyBase
+from hybridshard.state.checkpoint import read_extra
 
 require("lightning", "lightning")
 from lightning.fabric.strategies import STRATEGY_REGISTRY, ParallelStrategy  # noqa: E402
@@ -114,13 +115,14 @@ class HybridShardFabricStrategy(LightningStrategyBase, ParallelStrategy):
                 "call fabric.load(path, {'model': model, 'optimizer': optimizer, ...})"
             )
         module, optimizer, _ = _split(state)
-        saved = hs.load_checkpoint(str(path), module, optimizer=optimizer) or {}
-        missing = [k for k, v in state.items() if not _is_model_or_optimizer(v) and k not in saved]
+        stored = read_extra(str(path)) or {}  # checked before anything changes
+        missing = [k for k, v in state.items() if not _is_model_or_optimizer(v) and k not in stored]
         if strict and missing:
             raise ValueError(
                 f"the state to load names {missing}, which {path} does not hold; drop them from the state, or "
                 "load with strict=False to keep their current values"
             )
+        saved = hs.load_checkpoint(str(path), module, optimizer=optimizer) or {}
         for key in list(saved):
             if key in state:
                 value = saved.pop(key)

@@ -39,6 +39,7 @@ import torch
 import hybridshard as hs
 from hybridshard.integrations.common import STRATEGY_NAMES, require, shard_model
 from hybridshard.integrations.lightning_base import LightningStrategyBase
+from hybridshard.state.checkpoint import read_extra
 
 require("lightning", "lightning")
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
@@ -223,13 +224,14 @@ class HybridShardStrategy(LightningStrategyBase, ParallelStrategy):
                     result.seconds)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        optimizer = self.optimizers[0] if self.optimizers else None
-        extra = hs.load_checkpoint(str(checkpoint_path), self.sharded, optimizer=optimizer)
+        extra = read_extra(str(checkpoint_path))  # checked before anything changes
         if not isinstance(extra, dict):
             raise ValueError(
                 f"{checkpoint_path} is a hybridshard checkpoint without Lightning's state (extra={type(extra).__name__}); "
                 "resume from a checkpoint HybridShardStrategy wrote, or load this one with hybridshard.load_checkpoint"
             )
+        optimizer = self.optimizers[0] if self.optimizers else None
+        extra = hs.load_checkpoint(str(checkpoint_path), self.sharded, optimizer=optimizer)
         return {**extra, "state_dict": {}, "optimizer_states": []}
 
     @classmethod
