@@ -12,6 +12,7 @@ which is what the reference takes in one process.
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -92,7 +93,7 @@ def hf_train(strategy: str, out: str) -> dict[str, Any]:
     """Train ``STEPS`` steps saving a checkpoint at step 2, export with ``save_model``; then resume a fresh
     trainer from that checkpoint (the second half's losses, final state); and the errors of bad input."""
     import hybridshard as hs
-    from hybridshard.integrations.hf import HybridShardTrainer
+    from hybridshard.integrations.hf import CHECKPOINT_DIR, HybridShardTrainer
     from tests import runtime_models as RM
 
     world = torch.distributed.get_world_size()
@@ -113,6 +114,17 @@ def hf_train(strategy: str, out: str) -> dict[str, Any]:
     resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
     result["resumed_losses"] = _hf_losses(resumed)
     result["resumed_state"] = hs.full_state_dict(model)
+
+    # A checkpoint without hybridshard/ (as save_only_model=True writes it): the weights come from the export.
+    # Plain SGD keeps no optimizer state, so the run must still continue exactly.
+    only = os.path.join(out, "model-only-2")
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(os.path.join(out, "checkpoint-2"), only, ignore=shutil.ignore_patterns(CHECKPOINT_DIR))
+    torch.distributed.barrier()
+    model, _ = HF.make_model("llama", seed=1)
+    HybridShardTrainer(model=model, args=_hf_args(out, STEPS, save_steps=None), train_dataset=Rows(world),
+                       strategy=strategy, groups=RM.groups()).train(resume_from_checkpoint=only)
+    result["model_only_state"] = hs.full_state_dict(model)
     return result
 
 

@@ -111,6 +111,8 @@ def test_hf_resume_continues_with_the_same_losses(runs, reference, strategy):
         # The log of a resumed run starts with the checkpoint's own steps; the rest it trained itself.
         assert r["resumed_losses"] == pytest.approx(ref["losses"], abs=TOL)
         assert _max_diff(r["resumed_state"], ref["state"]) <= TOL
+        # From a checkpoint holding only the export (save_only_model): weights through hs.load_pretrained.
+        assert _max_diff(r["model_only_state"], ref["state"]) <= TOL
 
 
 def test_hf_refuses_what_it_cannot_keep(runs):
