@@ -23,7 +23,10 @@ model marked ``_is_accelerate_prepared`` untouched (its guard against wrapping t
 ``Trainer`` sends the model through ``prepare`` only; so the model is marked before the ``Trainer``
 sees it. What ``prepare_model`` would have added besides DDP is device placement (``shard`` placed
 the model already) and autocast for ``fp16``/``bf16`` arguments, which are refused here in favour
-of ``hybridshard.MixedPrecision`` (pass it in ``shard_kwargs``).
+of ``hybridshard.MixedPrecision`` (pass it in ``shard_kwargs``). The ``Trainer``'s own
+``model.to(args.device)`` is skipped as well: on CPU ``args.device`` is ``cpu:0``, which hybridshard's
+conversion guard reads as a move to another device (see [Note: converting a sharded model] in
+:mod:`hybridshard.runtime.engine`).
 """
 
 from __future__ import annotations
