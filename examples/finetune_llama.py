@@ -109,8 +109,9 @@ def main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def spawn(argv: list[str]) -> int:
-    """Run this script as 2 simulated nodes x 2 ranks on this machine (what torchrun would set)."""
+def spawn(argv: list[str], script: str = __file__, env: dict[str, str] | None = None) -> int:
+    """Run ``script`` (this one by default) as 2 simulated nodes x 2 ranks on this machine (what torchrun
+    would set, plus ``env``)."""
     import socket
 
     with socket.socket() as s:
@@ -118,10 +119,10 @@ def spawn(argv: list[str]) -> int:
         port = s.getsockname()[1]
     procs = []
     for rank in range(4):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2),
-               "LOCAL_WORLD_SIZE": "2", "HYBRIDSHARD_NODE_NAME": f"node{rank // 2}", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, __file__, *argv], env=env))
+        rank_env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2),
+                    "LOCAL_WORLD_SIZE": "2", "HYBRIDSHARD_NODE_NAME": f"node{rank // 2}", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "GROUP_RANK": str(rank // 2), **(env or {})}
+        procs.append(subprocess.Popen([sys.executable, script, *argv], env=rank_env))
     codes = [p.wait(timeout=600) for p in procs]
     return max(codes, key=abs)
 

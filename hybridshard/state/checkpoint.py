@@ -356,6 +356,16 @@ def load_checkpoint(
     return plain.get("extra")
 
 
+def read_extra(path: str | os.PathLike) -> Any:
+    """The ``extra`` the checkpoint at ``path`` was saved with (``None`` if none), read on its own: no
+    model, no process group, so a caller can check it before :func:`load_checkpoint` changes anything."""
+    path = _resolve(os.path.abspath(os.fspath(path)))
+    reader = dcp.FileSystemReader(path)
+    if "extra" not in reader.read_metadata().state_dict_metadata:
+        return None
+    return _read_bytes(reader, "extra")
+
+
 def _read_bytes(reader: dcp.FileSystemReader, key: str) -> Any:
     """One bytes entry (small: hyperparameters), read on its own so it can be checked first."""
     out: dict[str, Any] = {key: None}
