@@ -115,6 +115,8 @@ class GradReduction:
 
         def scale_and_replicate(shard: torch.Tensor) -> tuple[torch.Tensor, C.Pending | None]:
             shard = scale(shard)
+            if not hold and unit.replica_slice is not None:  # a slice of the shard: see replica_slices.py
+                return unit.replica_slice.reduce_scatter(shard, async_op=overlap)
             return shard, None if hold else self._replicate(shard, async_op=overlap)
 
         if groups.shard_size > 1:

@@ -100,13 +100,16 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
                 f"state dict entry {key!r} has shape {list(state_dict[key].shape)}, the model expects "
                 f"{list(shape)}; nothing was loaded. Load a state dict saved from the same model"
             )
+    # The whole chunk of each unit: with the optimizer sharded across replicas the parameters view
+    # only a slice of it, but every replica computes with all of it.
+    chunks = [unit.flat.layout.local_slices() for unit in sharded_units]
     with torch.no_grad():
         for key, (u, i) in keys.items():
             flat = sharded_units[u].flat
-            part = flat.local[i]
+            part = chunks[u][i]
             if part.numel:
                 source = state_dict[key].reshape(-1)[part.param_start : part.param_start + part.numel]
-                flat.shard_view(i).copy_(source)
+                flat.sharded[part.shard_offset : part.shard_offset + part.numel].copy_(source)
         for unit in sharded_units:
             unit.flat.use_sharded_params()
         for key, value in others.items():
