@@ -94,6 +94,26 @@ def test_optimizer_state_is_one_slice_per_rank(features):
         assert f["optim_bytes"] * 2 == pytest.approx(f["optim_bytes_hybrid"], rel=0.05)
 
 
+def test_planner_matches_measured_optimizer_bytes(features):
+    """``plan --model-params``'s optimizer figure for the option is within 5 % of the bytes measured
+    after one step, and its inter-node traffic equals HYBRID_SHARD's."""
+    from hybridshard.planning import sizing
+    from hybridshard.runtime.strategy import ShardingStrategy
+
+    model = RM.make_model()
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    distinct = sum(p.numel() for p in model.parameters())
+    spec = sizing.ModelSpec(num_params=distinct, unit_params=block, root_params=distinct - 2 * block,
+                            param_dtype="fp32", reduce_dtype="fp32", master_dtype="fp32")
+    cluster = sizing.ClusterSpec(node_sizes=(2, 2), gpu_memory_bytes=10**9)
+    sliced = sizing.estimate(ShardingStrategy.HYBRID_SHARD, 2, model=spec, cluster=cluster, shard_optimizer=True)
+    hybrid = sizing.estimate(ShardingStrategy.HYBRID_SHARD, 2, model=spec, cluster=cluster)
+    for f in features:
+        assert sliced.memory.optimizer == pytest.approx(f["optim_bytes"], rel=0.05)
+    assert sliced.bytes_by_link == hybrid.bytes_by_link
+    assert sliced.memory.optimizer * 2 == hybrid.memory.optimizer
+
+
 def test_inter_node_bytes_equal_hybrid_shard(features):
     """comm_stats: reduce-scatter + all-gather across replicas = HYBRID_SHARD's all-reduce, per step."""
     for f in features:

@@ -24,7 +24,7 @@ stops halfway and the all-gather moves after the step:
    is set) instead of all-reduced: each ``.grad`` is a view of the reduced *slice*.
 4. ``optimizer.step()`` updates the slices. An optimizer step post-hook (registered once for every
    ``torch.optim.Optimizer``; it acts on optimizers that hold this model's parameters) then issues,
-   for every unit, one all-gather across the replicate group of the updated slice into the master
+   for every unit with a trainable parameter in that optimizer, one all-gather across the replicate group of the updated slice into the master
    shard, asynchronously and exactly (no compression: a compressed parameter would drift from the
    optimizer's value). Each unit's next all-gather in its shard group waits for it first, so the
    later units' inter-node gathers overlap the first units' forward; the next step's first
@@ -142,7 +142,13 @@ class SliceSync:
         _install_optimizer_hooks()
 
     def _touched(self, optimizer: torch.optim.Optimizer) -> list[ReplicaSlice]:
-        ids = {id(p) for group in optimizer.param_groups for p in group["params"]} & self._param_ids
+        """The slices ``optimizer`` may have changed: those of units with a trainable parameter it holds.
+
+        Decided from ``requires_grad``, which every rank sets alike, never from values or gradients,
+        so every rank gathers the same units in the same order. Frozen units (a frozen base model
+        under adapters) send nothing."""
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+        ids &= self._param_ids
         touched = {id(self._by_param[i]) for i in ids}
         return [s for s in self.slices if id(s) in touched]  # unit order: the same on every rank
 
