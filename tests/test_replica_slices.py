@@ -114,6 +114,16 @@ def test_planner_matches_measured_optimizer_bytes(features):
     assert sliced.memory.optimizer * 2 == hybrid.memory.optimizer
 
 
+def test_mixed_precision_master_is_one_slice_per_rank(features):
+    """bf16 compute: each rank keeps the fp32 master for its slice (4 B / (S R)) and the shard in bf16
+    (2 B / S), against HYBRID_SHARD's fp32 shard (4 B / S); parameters stay fp32 to the optimizer."""
+    for f in features:
+        slice_numel = f["owned_numel"]
+        assert f["master_bytes"] == 4 * slice_numel + 2 * 2 * slice_numel
+        assert f["master_bytes_hybrid"] == 4 * f["shard_numel_hybrid"]
+        assert f["master_bytes_dtypes"] == f["master_bytes_hybrid_dtypes"] == ["torch.float32"]
+
+
 def test_inter_node_bytes_equal_hybrid_shard(features):
     """comm_stats: reduce-scatter + all-gather across replicas = HYBRID_SHARD's all-reduce, per step."""
     for f in features:
@@ -149,8 +159,8 @@ def test_errors(features):
 def test_checkpoints_to_and_from_other_strategies(pool, tmp_path):
     results = pool.run(_checkpoint_job, str(tmp_path))
     for rank, r in enumerate(results):
-        for what, diff in r.items():  # fp32: summation order only
-            assert diff < 1e-5, f"rank {rank} {what}: max difference {diff}"
+        for what, diff in r.items():  # fp32: summation order only; a bf16 step: bf16 roundings
+            assert diff < (BF16_TOL["atol"] if "bf16 step" in what else 1e-5), f"rank {rank} {what}: {diff}"
     assert {"into HYBRID_SHARD", "into FULL_SHARD", "from FULL_SHARD", "from one process", "one process"} <= set(results[0])
 
 
@@ -168,14 +178,16 @@ def test_cyclic_layout_parity():
 # -- jobs (run on every rank) -------------------------------------------------------------------
 
 
-def _train(strategy: str, *, sliced: bool, steps: int = 2, offset: int = 0):
+def _train(strategy: str, *, sliced: bool, steps: int = 2, offset: int = 0, bf16: bool = False):
+    import torch
     import torch.distributed as dist
 
     import hybridshard as hs
 
     model = RM.make_model()
+    mp = hs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     hs.shard(model, strategy=strategy, groups=RM.groups() if "HYBRID" in strategy else None, wrap={RM.Block},
-             shard_optimizer_across_replicas=sliced)
+             shard_optimizer_across_replicas=sliced, mixed_precision=mp)
     opt = RM.make_optimizer(RM.Config(), model.parameters())
     _steps(model, opt, steps, offset=offset, rank=dist.get_rank())
     return model, opt
@@ -255,6 +267,14 @@ def _features_job() -> dict:
     hs.gather_updated_params(model)
     out["replicas_after_gather"] = _replica_check(model)
 
+    # Mixed precision: the fp32 master exists for the slice only; the shard is kept in bf16.
+    for name, sliced in (("master_bytes", True), ("master_bytes_hybrid", False)):
+        low, _ = _train("HYBRID_SHARD", sliced=sliced, steps=1, bf16=True)
+        flats = [u.flat for u in low._hybridshard_runtime.units]
+        out[name] = sum(f.owned.numel() * f.owned.element_size() for f in flats) + sum(
+            f.sharded.numel() * f.sharded.element_size() for f in flats if f.separate_master)
+        out[name + "_dtypes"] = sorted({str(p.dtype) for p in low.parameters()})
+
     out["error_strategy"] = _error(lambda: hs.shard(RM.make_model(), strategy="FULL_SHARD",
                                                     shard_optimizer_across_replicas=True))
     out["error_offload"] = _error(lambda: hs.shard(RM.make_model(), groups=RM.groups(), offload=hs.CPUOffload(),
@@ -319,6 +339,25 @@ def _checkpoint_job(root: str) -> dict:
         diffs[f"from {strategy}"] = max(_max_diff(hs.full_state_dict(back), hs.full_state_dict(other)),
                                         _optim_diff(hs.full_optim_state_dict(back, back_opt),
                                                     hs.full_optim_state_dict(other, other_opt)))
+    # Mixed precision: the fp32 master slices are what is saved, and what HYBRID_SHARD then holds.
+    low, low_opt = _train("HYBRID_SHARD", sliced=True, bf16=True)
+    low_dir = os.path.join(root, "sliced_bf16")
+    hs.save_checkpoint(low_dir, low, optimizer=low_opt)
+    other, other_opt = _train("HYBRID_SHARD", sliced=False, steps=0, bf16=True)
+    hs.load_checkpoint(low_dir, other, optimizer=other_opt)
+    diffs["bf16 into HYBRID_SHARD"] = max(_max_diff(hs.full_state_dict(other), hs.full_state_dict(low)),
+                                          _optim_diff(hs.full_optim_state_dict(other, other_opt),
+                                                      hs.full_optim_state_dict(low, low_opt)))
+    back, back_opt = _train("HYBRID_SHARD", sliced=True, steps=0, bf16=True)
+    hs.load_full_state_dict(back, hs.full_state_dict(other))
+    diffs["bf16 full state dict back"] = _max_diff(hs.full_state_dict(back), hs.full_state_dict(low))
+    # The bf16 compute copy was loaded too: a step from there matches HYBRID_SHARD's from the same state.
+    fresh, fresh_opt = _train("HYBRID_SHARD", sliced=False, steps=0, bf16=True)
+    hs.load_full_state_dict(fresh, hs.full_state_dict(other))
+    _steps(back, back_opt, 1, offset=2, rank=rank)
+    _steps(fresh, fresh_opt, 1, offset=2, rank=rank)
+    diffs["bf16 step after load"] = _max_diff(hs.full_state_dict(back), hs.full_state_dict(fresh))
+
     # One process: rank 0 reads the option's checkpoint into a plain model and writes it back.
     plain_dir = os.path.join(root, "plain")
     if rank == 0:

@@ -75,7 +75,14 @@ class FlatParam:
         """The compute device: where the unsharded buffer lives (the master may be offloaded)."""
         self.sharded = sharded if offload is None else place_master(sharded, offload)
         self.owned = self.sharded if owned is None else self.sharded[lo:hi]
-        """The owned range of the master shard (a view): what the optimizer steps."""
+        """The owned range of the master shard: what the optimizer steps (a view of ``sharded``, or
+        the separate master slice)."""
+        self.separate_master = owned is not None and compute_dtype != sharded.dtype and sharded.is_floating_point()
+        """The master slice is its own tensor and ``sharded`` holds the compute dtype; see [Note:
+        optimizer state sharded across replicas] in :mod:`hybridshard.runtime.replica_slices`."""
+        if self.separate_master:
+            self.owned = self.owned.clone()
+            self.sharded = self.sharded.to(compute_dtype)
         self.compute_dtype = compute_dtype
         self.grad_dtype = grad_dtype
         # The leaf requires grad even when every parameter is frozen now: a parameter unfrozen after
@@ -95,7 +102,7 @@ class FlatParam:
         """The flat gradient shard the parameters' ``.grad`` view; see [Note: who holds the gradient shard]."""
         for p in self.params:
             # keep_low_precision_grads: a bf16 .grad next to an fp32 parameter (checked in shard()).
-            if grad_dtype != self.sharded.dtype:  # frozen ones too: they may be unfrozen later
+            if grad_dtype != self.owned.dtype:  # frozen ones too: they may be unfrozen later
                 p.grad_dtype = grad_dtype
         self.use_sharded_params()
 
@@ -119,7 +126,8 @@ class FlatParam:
         parameter's when made through an original parameter (``.data`` assignment gives a parameter
         a counter of its own).
         """
-        return (self.sharded._version, *(p._version for p in self.params))
+        master = self.sharded._version + (self.owned._version if self.separate_master else 0)
+        return (master, *(p._version for p in self.params))
 
     def writeback_params(self) -> None:
         """Copy into the master any parameter whose ``.data`` the user replaced since the last step.
@@ -145,6 +153,9 @@ class FlatParam:
                 )
             logger.debug("writing back replaced parameter %s", self.layout.slots[i].name)
             view.copy_(p.data.reshape(-1))
+            if self.separate_master:  # and this replica's compute copy of it
+                lo = self.owned_range[0] + part.shard_offset
+                self.sharded[lo : lo + part.numel].copy_(view)
             p.data = view
 
     # -- the unsharded side ----------------------------------------------------------------------

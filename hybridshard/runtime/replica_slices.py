@@ -30,11 +30,20 @@ stops halfway and the all-gather moves after the step:
    later units' inter-node gathers overlap the first units' forward; the next step's first
    gradient reduction, the next ``optimizer.step()`` and every state function wait for all of them.
 
+Mixed precision (``param_dtype`` other than the master dtype): the shard every replica keeps for
+gathering in the shard group is held in the compute dtype, and the master dtype's copy (fp32) exists
+only for the owned slice (``FlatParam.separate_master``). The step updates the fp32 slice; the
+all-gather across replicas sends it cast to the compute dtype, which is what the shard group gathers
+anyway. So master weights too are ``1 / (S * R)`` per rank, and the inter-node all-gather moves
+``b_param`` bytes per element instead of the all-reduce's ``b_reduce``. State functions read the
+fp32 masters: their slices gathered across replicas, then the shard group
+(``access.master_shard``).
+
 Contract: parameters change through ``optimizer.step()`` of a ``torch.optim.Optimizer`` built after
 ``shard``. A change made any other way (``p.data.copy_(...)``, a hand-written update) reaches only
 this replica's slice: call :func:`gather_updated_params` after it. The inter-node bytes per step
 equal the all-reduce's: ``(R-1)/R * shard bytes`` for the reduce-scatter plus as much for the
-all-gather (in the master dtype; see docs/performance.md). The norm of ``clip_grad_norm_`` sums
+all-gather (in the compute dtype: fewer bytes under mixed precision; see docs/performance.md). The norm of ``clip_grad_norm_`` sums
 over the whole job, each element counted on the one rank whose slice holds it.
 """
 
@@ -109,8 +118,9 @@ class ReplicaSlice:
         self.wait()
         unit = self.unit
         flat, runtime = unit.flat, unit.runtime
-        # The output covers the input's own range: send a copy, so the collective never reads what it writes.
-        self._input = flat.owned.detach().clone()
+        # The output covers the input's own range: send a copy, so the collective never reads what it
+        # writes; with a separate master slice, the copy is the cast to the compute dtype.
+        self._input = flat.owned.detach().to(flat.sharded.dtype, copy=True)
         streams = getattr(runtime.executor, "streams", None)
         if streams is None or streams.all_reduce is None:
             self._pending = C.all_gather(flat.sharded, self._input, unit.groups.replicate, stats=runtime.stats,

@@ -22,7 +22,8 @@ from hybridshard.runtime.unit import ShardedState, Unit
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ParamRange", "check_idle", "gather_slices", "gather_unit", "holds_rank0", "is_sharded", "module_state_dict",
+    "ParamRange", "check_idle", "gather_slices", "gather_unit", "holds_rank0", "is_sharded", "master_shard",
+    "module_state_dict",
     "owned_to_shard", "param_ranges", "units",
 ]
 
@@ -63,6 +64,14 @@ def owned_to_shard(unit: Unit, owned: torch.Tensor) -> torch.Tensor:
     shard = torch.empty(unit.flat.layout.shard_numel, dtype=owned.dtype, device=owned.device)
     C.all_gather(shard, owned, unit.groups.replicate)
     return shard
+
+
+def master_shard(unit: Unit) -> torch.Tensor:
+    """``unit``'s master shard in the master dtype: ``flat.sharded``, or, when the master is kept only
+    for this replica's slice (mixed precision with the optimizer sharded across replicas), the
+    replicas' slices all-gathered across the replicate group (collective over that group then)."""
+    flat = unit.flat
+    return owned_to_shard(unit, flat.owned) if flat.separate_master else flat.sharded
 
 
 def gather_slices(model: nn.Module) -> None:
