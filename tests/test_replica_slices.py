@@ -151,6 +151,7 @@ def test_errors(features):
     for f in features:
         assert f["error_strategy"].startswith("shard_optimizer_across_replicas=True expects a hybrid strategy"), f
         assert "found strategy=FULL_SHARD" in f["error_strategy"]
+        assert f["error_flag"] == "shard_optimizer_across_replicas must be True or False; got 'yes'", f
         assert f["error_offload"].startswith("shard_optimizer_across_replicas=True expects the master shards"), f
         assert f["error_optimizer"].startswith("expected optimizer state of"), f
         assert "build the optimizer on model.parameters() after" in f["error_optimizer"]
@@ -277,6 +278,8 @@ def _features_job() -> dict:
 
     out["error_strategy"] = _error(lambda: hs.shard(RM.make_model(), strategy="FULL_SHARD",
                                                     shard_optimizer_across_replicas=True))
+    out["error_flag"] = _error(lambda: hs.shard(RM.make_model(), groups=RM.groups(),
+                                                shard_optimizer_across_replicas="yes"))
     out["error_offload"] = _error(lambda: hs.shard(RM.make_model(), groups=RM.groups(), offload=hs.CPUOffload(),
                                                    shard_optimizer_across_replicas=True))
     # An optimizer that stepped the full parameters before shard(): its state no longer fits the slices.

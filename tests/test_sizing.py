@@ -200,7 +200,8 @@ def test_cli_shard_size_restricts_the_hybrid_rows(capsys):
 def test_optimizer_sharded_across_replicas():
     """HYBRID_SHARD+optim: the replicate all-reduce split into a reduce-scatter and an all-gather (same
     bytes with an fp32 reduce); gradients and optimizer state divided by R; the master shard is not."""
-    fp32 = ModelSpec(num_params=8_000_000, unit_params=1_000_000, reduce_dtype="fp32", master_dtype="fp32")
+    fp32 = ModelSpec(num_params=8_000_000, unit_params=1_000_000, param_dtype="fp32", reduce_dtype="fp32",
+                     master_dtype="fp32")
     plain = step_collectives(S.HYBRID_SHARD, 4, 2, model=fp32)
     sliced = step_collectives(S.HYBRID_SHARD, 4, 2, model=fp32, shard_optimizer=True)
     assert sliced[("reduce_scatter", "replicate")] == sliced[("all_gather", "replicate")] == 0.5 * 2_000_000 * 4
@@ -213,5 +214,11 @@ def test_optimizer_sharded_across_replicas():
                                                                              a.memory.params)
     assert b.bytes_by_link == a.bytes_by_link
     assert recommend([a, b], cluster=cluster).choice is b  # same traffic, less memory
+    # bf16 compute: the all-gather sends bf16; the master is an fp32 slice plus a bf16 shard.
+    bf16 = ModelSpec(num_params=8_000_000, unit_params=1_000_000, param_dtype="bf16", reduce_dtype="fp32")
+    low = step_collectives(S.HYBRID_SHARD, 4, 2, model=bf16, shard_optimizer=True)
+    assert low[("all_gather", "replicate")] * 2 == low[("reduce_scatter", "replicate")]
+    c = estimate(S.HYBRID_SHARD, 4, model=bf16, cluster=cluster, shard_optimizer=True)
+    assert c.memory.params == 1_000_000 * 4 + 2_000_000 * 2
     with pytest.raises(ValueError, match="shard_optimizer expects a hybrid strategy, found FULL_SHARD"):
         estimate(S.FULL_SHARD, 8, model=fp32, cluster=cluster, shard_optimizer=True)

@@ -236,7 +236,7 @@ def step_collectives(
     Groups are named as the runtime names them: ``"shard"``/``"replicate"`` for hybrid strategies,
     ``"world"`` for the others. Collectives over one rank move nothing and are left out. With
     ``shard_optimizer`` (hybrid only) the replicate all-reduce is a reduce-scatter of the gradient
-    shard plus, after the step, an all-gather of the updated parameters in the master dtype.
+    shard plus, after the step, an all-gather of the updated parameters in the compute dtype.
     """
     n, root = model.num_params, model.root_params
     s, r = shard_size, replicate_size
@@ -252,7 +252,7 @@ def step_collectives(
         out[("reduce_scatter", shard_group)] = (s - 1) / s * n * model.b_reduce
     if strategy.is_hybrid and r > 1 and shard_optimizer:
         out[("reduce_scatter", "replicate")] = (r - 1) / r * (n / s) * model.b_reduce
-        out[("all_gather", "replicate")] = (r - 1) / r * (n / s) * model.b_master
+        out[("all_gather", "replicate")] = (r - 1) / r * (n / s) * model.b_param
     elif strategy.is_hybrid and r > 1:
         out[("all_reduce", "replicate")] = 2 * (r - 1) / r * (n / s) * model.b_reduce
     return out
@@ -271,8 +271,9 @@ def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, pre
 
     ``prefetch`` and ``overlap_grads`` are ``shard()``'s: ZeRO-3 with prefetch ``d`` keeps up to
     ``d + 1`` units gathered, and an overlapped reduction keeps the previous unit's gradient alive
-    while the next one is summed. ``shard_optimizer`` (with ``replicate_size``): gradients and
-    optimizer state are this rank's ``1 / replicate_size`` slice of the shard; the master shard is not.
+    while the next one is summed. ``shard_optimizer`` (with ``replicate_size``): gradients, optimizer
+    state and the master are this rank's ``1 / replicate_size`` slice of the shard; under mixed
+    precision the shard is kept in the compute dtype besides.
     """
     shard_numel = -(-model.num_params // shard_size)
     slice_numel = -(-shard_numel // replicate_size) if shard_optimizer else shard_numel
@@ -298,8 +299,12 @@ def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, pre
         # unit's backward, before any gradient shard exists: the grads term is not there yet.
         kept = model.num_params * b_p - grads
         working = unit_grad
+    if slice_numel == shard_numel or b_p == b_m:
+        params = shard_numel * b_m  # the optimizer's slice is a view of the master shard
+    else:
+        params = slice_numel * b_m + shard_numel * b_p  # the master slice, and the shard in the compute dtype
     return MemoryEstimate(
-        params=shard_numel * b_m,
+        params=params,
         grads=grads,
         optimizer=model.optimizer.states_per_param * slice_numel * b_m,
         gathered=kept + working,

@@ -103,8 +103,8 @@ def shard(
     reduce-scattered across the replicate group instead of all-reduced, and ``optimizer.step()``
     all-gathers the updated slices across it (an optimizer step post-hook), at the same inter-node
     bytes; after changing parameters other than through ``optimizer.step()``, call
-    :func:`hybridshard.gather_updated_params`. Under mixed precision the fp32 master shard stays
-    ``1 / S`` per rank. See [Note: optimizer state sharded across replicas] in
+    :func:`hybridshard.gather_updated_params`. Under mixed precision the fp32 master is kept for the
+    slice only, the shard in ``param_dtype``. See [Note: optimizer state sharded across replicas] in
     :mod:`hybridshard.runtime.replica_slices`.
 
     After ``shard``, ``model.state_dict()`` and ``load_state_dict()`` raise a ``ValueError`` naming
