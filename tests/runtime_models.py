@@ -321,6 +321,21 @@ def run_configs(configs: list[Config]) -> list[dict[str, Any]]:
     return [sharded_run(cfg) for cfg in configs]
 
 
+def check_ranks(cfg: Config, per_rank: list[list[dict[str, Any]]], index: int, world_size: int, *,
+                counts: bool = True) -> None:
+    """Every rank's ``per_rank[rank][index]`` against the one-process reference of ``cfg`` (losses,
+    norms, parameters; bf16 tolerances for ``cfg.bf16``), and, with ``counts``, its collectives per
+    step and per ``clip_grad_norm_`` against :func:`expected_counts` / :func:`expected_clip_counts`."""
+    ref = reference_run(cfg, world_size)
+    tol = dict(atol=2e-3, rtol=2e-3) if cfg.bf16 else dict(atol=1e-5, rtol=1e-5)
+    for rank, results in enumerate(per_rank):
+        got = results[index]
+        compare(ref, got, label=f"rank {rank}", **tol)
+        if counts:
+            assert all(c == expected_counts(cfg) for c in got["counts"]), f"rank {rank}: {got['counts']}"
+            assert got["clip_counts"] == [expected_clip_counts(cfg)] * len(got["norms"]), got["clip_counts"]
+
+
 def compare(ref: dict[str, Any], got: dict[str, Any], *, atol: float, rtol: float, label: str) -> None:
     torch.testing.assert_close(
         torch.tensor(got["losses"]), torch.tensor(ref["losses"]), atol=atol, rtol=rtol, msg=lambda m: f"{label} losses: {m}"

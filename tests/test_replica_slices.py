@@ -15,7 +15,6 @@ from tests.mp import RankPool
 pytestmark = pytest.mark.multiprocess
 
 WORLD = 4
-FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 BF16_TOL = dict(atol=2e-3, rtol=2e-3)
 
 SWEEP = RM.sweep(strategy=["HYBRID_SHARD"], optimizer=["adamw", "sgd"], bf16=[False, True], micro_steps=[1, 2],
@@ -52,16 +51,7 @@ def sweep_results(pool):
 @pytest.mark.parametrize("index", range(len(SWEEP)), ids=[_label(c) for c in SWEEP])
 def test_parity_with_one_process(sweep_results, index):
     """Losses, norms and parameters equal one process; collectives per step as expected."""
-    cfg = SWEEP[index]
-    ref = RM.reference_run(cfg, WORLD)
-    tol = BF16_TOL if cfg.bf16 else FP32_TOL
-    for rank, results in enumerate(sweep_results):
-        got = results[index]
-        RM.compare(ref, got, label=f"rank {rank}", **tol)
-        if not cfg.block_strategies:
-            for step, counts in enumerate(got["counts"]):
-                assert counts == RM.expected_counts(cfg), f"rank {rank} step {step}: {counts}"
-        assert got["clip_counts"] == [RM.expected_clip_counts(cfg)] * len(got["norms"]), got["clip_counts"]
+    RM.check_ranks(SWEEP[index], sweep_results, index, WORLD)
 
 
 def test_compressed_reduce_scatter_close(sweep_results):
@@ -171,9 +161,7 @@ def test_cyclic_layout_parity():
     with RankPool(WORLD, num_nodes=2, layout="cyclic", timeout=120) as cyclic:
         per_rank = cyclic.run(RM.run_configs, configs)
     for i, cfg in enumerate(configs):
-        ref = RM.reference_run(cfg, WORLD)
-        for rank, results in enumerate(per_rank):
-            RM.compare(ref, results[i], label=f"cyclic {cfg.strategy} rank {rank}", **FP32_TOL)
+        RM.check_ranks(cfg, per_rank, i, WORLD)
 
 
 # -- jobs (run on every rank) -------------------------------------------------------------------
