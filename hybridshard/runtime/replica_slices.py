@@ -96,10 +96,16 @@ class ReplicaSlice:
     def numel(self) -> int:
         return self.unit.flat.owned_numel
 
-    def reduce_scatter(self, shard: torch.Tensor, *, async_op: bool) -> tuple[torch.Tensor, C.Pending | None]:
-        """Sum the scaled gradient ``shard`` across the replicate group, keeping this replica's slice.
+    def new_output(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The buffer :meth:`reduce_scatter` fills; made by the hooks' thread, on the compute stream
+        (see [Note: stream executor])."""
+        return torch.empty(self.numel, dtype=dtype, device=device)
 
-        Returns the slice and, with ``async_op``, the collective still running. With
+    def reduce_scatter(self, shard: torch.Tensor, out: torch.Tensor, *,
+                       async_op: bool) -> tuple[torch.Tensor, C.Pending | None]:
+        """Sum the scaled gradient ``shard`` across the replicate group into ``out``, this replica's slice.
+
+        Returns ``out`` and, with ``async_op``, the collective still running. With
         ``replicate_compression`` the sum is the compressed one's first phase (error feedback kept
         under the unit's index), which finishes before returning.
         """
@@ -108,9 +114,8 @@ class ReplicaSlice:
         group = unit.groups.replicate
         compressor = runtime.compressor
         if compressor is not None:
-            reduced = compressor.reduce_scatter(shard, group, key=unit.index, stats=runtime.stats)
-            return reduced.to(shard.dtype), None
-        out = torch.empty(self.numel, dtype=shard.dtype, device=shard.device)
+            out.copy_(compressor.reduce_scatter(shard, group, key=unit.index, stats=runtime.stats))
+            return out, None
         return out, C.reduce_scatter(out, shard, group, stats=runtime.stats, async_op=async_op)
 
     def issue_gather(self) -> None:
