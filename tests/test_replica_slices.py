@@ -143,7 +143,8 @@ def test_errors(features):
         assert "found strategy=FULL_SHARD" in f["error_strategy"]
         assert f["error_flag"] == "shard_optimizer_across_replicas must be True or False; got 'yes'", f
         assert f["error_offload"].startswith("shard_optimizer_across_replicas=True expects the master shards"), f
-        assert f["error_optimizer"].startswith("expected optimizer state of"), f
+        assert f["error_optimizer"].startswith("expected optimizer state for each rank's slice"), f
+        assert "found state 'exp_avg'" in f["error_optimizer"] or "on another rank" in f["error_optimizer"]
         assert "build the optimizer on model.parameters() after" in f["error_optimizer"]
 
 

@@ -24,11 +24,12 @@ stops halfway and the all-gather moves after the step:
    is set) instead of all-reduced: each ``.grad`` is a view of the reduced *slice*.
 4. ``optimizer.step()`` updates the slices. An optimizer step post-hook (registered once for every
    ``torch.optim.Optimizer``; it acts on optimizers that hold this model's parameters) then issues,
-   for every unit with a trainable parameter in that optimizer, one all-gather across the replicate group of the updated slice into the master
-   shard, asynchronously and exactly (no compression: a compressed parameter would drift from the
-   optimizer's value). Each unit's next all-gather in its shard group waits for it first, so the
-   later units' inter-node gathers overlap the first units' forward; the next step's first
-   gradient reduction, the next ``optimizer.step()`` and every state function wait for all of them.
+   for every unit with a trainable parameter in that optimizer, one all-gather across the replicate
+   group of the updated slice into the shard, asynchronously and uncompressed (a compressed
+   parameter would drift from the optimizer's value). Each unit's next all-gather in its shard
+   group waits for it first, so the later units' inter-node gathers overlap the first units'
+   forward; the next step's first gradient reduction, the next ``optimizer.step()`` and every
+   state function wait for all of them.
 
 Mixed precision (``param_dtype`` other than the master dtype): the shard every replica keeps for
 gathering in the shard group is held in the compute dtype, and the master dtype's copy (fp32) exists
@@ -41,10 +42,13 @@ fp32 masters: their slices gathered across replicas, then the shard group
 
 Contract: parameters change through ``optimizer.step()`` of a ``torch.optim.Optimizer`` built after
 ``shard``. A change made any other way (``p.data.copy_(...)``, a hand-written update) reaches only
-this replica's slice: call :func:`gather_updated_params` after it. The inter-node bytes per step
+this replica's slice: call :func:`gather_updated_params` after it. At an optimizer's first step
+its state is checked (one all-reduce of one number): state sized like whole parameters (steps
+taken before ``shard``) raises a ``ValueError`` on every rank. The inter-node bytes per step
 equal the all-reduce's: ``(R-1)/R * shard bytes`` for the reduce-scatter plus as much for the
-all-gather (in the compute dtype: fewer bytes under mixed precision; see docs/performance.md). The norm of ``clip_grad_norm_`` sums
-over the whole job, each element counted on the one rank whose slice holds it.
+all-gather (in the compute dtype: fewer bytes under mixed precision; see docs/performance.md).
+The norm of ``clip_grad_norm_`` sums over the whole job, each element counted on the one rank whose
+slice holds it.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import weakref
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from hybridshard.runtime import collectives as C
@@ -153,6 +158,10 @@ class SliceSync:
         self.slices = [u.replica_slice for u in units if u.replica_slice is not None]
         self._param_ids = {id(p) for s in self.slices for p in s.unit.flat.params}
         self._by_param = {id(p): s for s in self.slices for p in s.unit.flat.params}
+        self._full_numel = {id(p): slot.numel for s in self.slices
+                            for slot, p in zip(s.unit.flat.layout.slots, s.unit.flat.params)}
+        self._checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        """Optimizers whose state was checked (at their first step here)."""
         _SYNCS.add(self)
         _install_optimizer_hooks()
 
@@ -168,20 +177,37 @@ class SliceSync:
         return [s for s in self.slices if id(s) in touched]  # unit order: the same on every rank
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Check the optimizer's state fits the slices, and let earlier gathers end before it writes."""
+        """Let earlier gathers end before the optimizer writes; at an optimizer's first step here,
+        check that its state fits the slices."""
+        if optimizer not in self._checked and self._touched(optimizer):
+            self._check_state(optimizer)
+            self._checked.add(optimizer)
+        self.wait_all()
+
+    def _check_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """``ValueError`` on every rank when some rank finds state sized like a whole parameter it holds
+        only a slice of: steps taken before ``shard``. One all-reduce of one number over the job, once
+        per optimizer. State of other sizes (an optimizer's own non-elementwise state) is left alone."""
+        found = ""
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if id(p) not in self._param_ids:
+                full = self._full_numel.get(id(p))
+                if found or full is None or full == p.numel():
                     continue
                 for key, value in optimizer.state.get(p, {}).items():
-                    if torch.is_tensor(value) and value.dim() > 0 and value.numel() != p.numel():
-                        raise ValueError(
-                            f"expected optimizer state of {p.numel()} elements per parameter (this rank's slice; the "
-                            f"model was sharded with shard_optimizer_across_replicas=True), found state {key!r} of "
-                            f"shape {list(value.shape)}; build the optimizer on model.parameters() after "
-                            "hybridshard.shard(), or load its state with hybridshard.load_checkpoint"
-                        )
-        self.wait_all()
+                    if torch.is_tensor(value) and value.dim() > 0 and value.numel() == full:
+                        found = f"state {key!r} of shape {list(value.shape)} for a parameter of {full} elements"
+                        break
+        flag = torch.tensor([1.0 if found else 0.0], device=self.slices[0].unit.flat.device)
+        C.all_reduce(flag, dist.group.WORLD)
+        if flag.item():
+            found = found or "state sized like whole parameters on another rank"
+            raise ValueError(
+                "expected optimizer state for each rank's slice of the parameters (the model was sharded with "
+                f"shard_optimizer_across_replicas=True), found {found}; "
+                "build the optimizer on model.parameters() after hybridshard.shard(), or load its state with "
+                "hybridshard.load_checkpoint"
+            )
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         for s in self._touched(optimizer):
