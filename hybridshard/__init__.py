@@ -19,6 +19,7 @@ from hybridshard.runtime.grad_scaler import ShardedGradScaler
 from hybridshard.runtime.issue_order import record_issue_order
 from hybridshard.runtime.layout import FlatLayout
 from hybridshard.runtime.offload import CPUOffload
+from hybridshard.runtime.replica_slices import gather_updated_params
 from hybridshard.runtime.stats import comm_stats
 from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.runtime.unit import ShardedState, TrainingState
@@ -61,6 +62,7 @@ __all__ = [
     "comm_stats",
     "count_collectives",
     "full_state_dict",
+    "gather_updated_params",
     "load_full_state_dict",
     "no_sync",
     "record_issue_order",

@@ -105,6 +105,8 @@ class Config:
     """``shard(offload=hs.CPUOffload())``."""
     fp16: bool = False
     """With ``bf16``: compute in fp16 instead, reduce in fp16 (split division), ``hs.ShardedGradScaler``."""
+    shard_optimizer: bool = False
+    """``shard(shard_optimizer_across_replicas=True)``: the optimizer steps 1/(S*R) slices."""
 
     @property
     def low_dtype(self) -> torch.dtype:
@@ -156,15 +158,15 @@ def expected_counts(cfg: Config) -> dict[tuple[str, str], int]:
         shard = "shard" if s.is_hybrid else "world"
         out[("all_gather", shard)] += micro * (2 if s.reshard_after_forward and i > 0 else 1)
         out[("reduce_scatter", shard)] += micro if cfg.reduce_scatter_micro else 1
-        if s.is_hybrid:
-            out[("all_reduce", "replicate")] += 1
+        if s.is_hybrid:  # the optimizer step's all-gather across replicas comes after the counted block
+            out[("reduce_scatter" if cfg.shard_optimizer else "all_reduce", "replicate")] += 1
     return dict(out)
 
 
 def expected_clip_counts(cfg: Config) -> dict[tuple[str, str], int]:
     """One all-reduce of one number: in the shared shard group, or the world when units differ."""
     kinds = {"hybrid" if "HYBRID" in s else "replicated" if s == "NO_SHARD" else "world" for s in cfg.unit_strategies}
-    if len(kinds) > 1:
+    if len(kinds) > 1 or cfg.shard_optimizer:  # slices of the whole job: summed over it
         return {("all_reduce", "world"): 1}
     return {"hybrid": {("all_reduce", "shard"): 1}, "world": {("all_reduce", "world"): 1}, "replicated": {}}[kinds.pop()]
 
@@ -255,7 +257,8 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
                                keep_low_precision_grads=cfg.low_precision_grads)
     hs.shard(model, strategy=cfg.strategy, groups=groups(), wrap=wrap_policy(cfg, model), mixed_precision=mp,
              prefetch=cfg.prefetch, overlap_grads=cfg.overlap_grads, replicate_compression=cfg.compression,
-             executor=cfg.executor, offload=hs.CPUOffload() if cfg.offload else None)
+             executor=cfg.executor, offload=hs.CPUOffload() if cfg.offload else None,
+             shard_optimizer_across_replicas=cfg.shard_optimizer)
     opt = make_optimizer(cfg, model.parameters())
     scaler = hs.ShardedGradScaler("cpu", init_scale=2.0**10) if cfg.fp16 else None
     losses, norms, counts, clip_counts = [], [], [], []
@@ -316,6 +319,21 @@ def sweep(**axes: Iterable[Any]) -> list[Config]:
 def run_configs(configs: list[Config]) -> list[dict[str, Any]]:
     """Run every config on this rank (one pool call for a whole sweep)."""
     return [sharded_run(cfg) for cfg in configs]
+
+
+def check_ranks(cfg: Config, per_rank: list[list[dict[str, Any]]], index: int, world_size: int, *,
+                counts: bool = True) -> None:
+    """Every rank's ``per_rank[rank][index]`` against the one-process reference of ``cfg`` (losses,
+    norms, parameters; bf16 tolerances for ``cfg.bf16``), and, with ``counts``, its collectives per
+    step and per ``clip_grad_norm_`` against :func:`expected_counts` / :func:`expected_clip_counts`."""
+    ref = reference_run(cfg, world_size)
+    tol = dict(atol=2e-3, rtol=2e-3) if cfg.bf16 else dict(atol=1e-5, rtol=1e-5)
+    for rank, results in enumerate(per_rank):
+        got = results[index]
+        compare(ref, got, label=f"rank {rank}", **tol)
+        if counts:
+            assert all(c == expected_counts(cfg) for c in got["counts"]), f"rank {rank}: {got['counts']}"
+            assert got["clip_counts"] == [expected_clip_counts(cfg)] * len(got["norms"]), got["clip_counts"]
 
 
 def compare(ref: dict[str, Any], got: dict[str, Any], *, atol: float, rtol: float, label: str) -> None:

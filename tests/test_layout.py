@@ -54,12 +54,23 @@ def test_layout_round_trip_and_aliases():
         (dict(params=[("a", (2,))], shard_size=0, shard_rank=0), "shard_size"),
         (dict(params=[("a", (2,))], shard_size=1, shard_rank=0, align_numel=0), "align_numel"),
         (dict(params=[("a", (2,))], shard_size=1, shard_rank=0, aliases=[("b", "zz")]), "alias"),
+        (dict(params=[("a", (2,))], shard_size=2, shard_rank=0, shard_multiple=0), "shard_multiple"),
     ],
 )
 def test_layout_rejects_bad_input(kwargs, match):
     params = kwargs.pop("params")
     with pytest.raises(ValueError, match=match):
         FlatLayout.build(params, **kwargs)
+
+
+def test_shard_multiple_pads_each_shard_into_equal_slices():
+    """The optimizer's slices across replicas: each shard divides by ``shard_multiple``; 1 changes nothing."""
+    params = [("a", (5, 3)), ("b", (7,))]
+    plain = FlatLayout.build(params, shard_size=2, shard_rank=1)
+    assert FlatLayout.build(params, shard_size=2, shard_rank=1, shard_multiple=1) == plain
+    sliced = FlatLayout.build(params, shard_size=2, shard_rank=1, shard_multiple=3)
+    assert (plain.padded_numel, sliced.padded_numel, sliced.shard_numel) == (22, 24, 12)
+    assert sliced.slots == plain.slots
 
 
 def test_strategy_parse():

@@ -81,9 +81,10 @@ def test_shard_sizes_tile_every_node():
     assert shard_sizes(ClusterSpec(node_sizes=(8, 4), gpu_memory_bytes=1)) == [2, 4]
     assert shard_sizes(ClusterSpec(node_sizes=(3, 2), gpu_memory_bytes=1)) == []
     options = estimate_all(model=MODEL, cluster=TWO_NODES)
-    assert [(e.strategy.name, e.shard_size) for e in options] == [
+    assert [(e.label, e.shard_size) for e in options] == [
         ("FULL_SHARD", 8), ("SHARD_GRAD_OP", 8), ("NO_SHARD", 1),
         ("HYBRID_SHARD", 2), ("HYBRID_SHARD", 4), ("HYBRID_SHARD_ZERO2", 2), ("HYBRID_SHARD_ZERO2", 4),
+        ("HYBRID_SHARD+optim", 2), ("HYBRID_SHARD+optim", 4),
     ]
 
 
@@ -158,7 +159,9 @@ def test_cli_json_matches_the_math(capsys):
         assert got["memory_bytes"]["total"] == want.memory.total and got["fits"] == want.fits
         assert math.isclose(got["comm_seconds"], want.comm_seconds)
     rec = recommend(expected, cluster=cluster).choice
-    assert data["recommended"] == {"strategy": rec.strategy.name, "shard_size": rec.shard_size, "replicate_size": rec.replicate_size}
+    assert data["recommended"] == {"strategy": rec.strategy.name, "shard_size": rec.shard_size,
+                                   "replicate_size": rec.replicate_size,
+                                   "shard_optimizer_across_replicas": rec.shard_optimizer}
 
 
 def test_cli_gpu_memory_from_a_saved_cluster(tmp_path, capsys):
@@ -192,3 +195,30 @@ def test_cli_shard_size_restricts_the_hybrid_rows(capsys):
     assert main(["plan", "--model-params", "7e9", "--shard-size", "4", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert {o["shard_size"] for o in data["options"] if o["strategy"].startswith("HYBRID")} == {4}
+
+
+def test_optimizer_sharded_across_replicas():
+    """HYBRID_SHARD+optim: the replicate all-reduce split into a reduce-scatter and an all-gather (same
+    bytes with an fp32 reduce); gradients and optimizer state divided by R; the master shard is not."""
+    fp32 = ModelSpec(num_params=8_000_000, unit_params=1_000_000, param_dtype="fp32", reduce_dtype="fp32",
+                     master_dtype="fp32")
+    plain = step_collectives(S.HYBRID_SHARD, 4, 2, model=fp32)
+    sliced = step_collectives(S.HYBRID_SHARD, 4, 2, model=fp32, shard_optimizer=True)
+    assert sliced[("reduce_scatter", "replicate")] == sliced[("all_gather", "replicate")] == 0.5 * 2_000_000 * 4
+    assert ("all_reduce", "replicate") not in sliced
+    assert sliced[("reduce_scatter", "replicate")] * 2 == plain[("all_reduce", "replicate")]
+    cluster = ClusterSpec(node_sizes=(4, 4), gpu_memory_bytes=10**12)
+    a = estimate(S.HYBRID_SHARD, 4, model=fp32, cluster=cluster)
+    b = estimate(S.HYBRID_SHARD, 4, model=fp32, cluster=cluster, shard_optimizer=True)
+    assert (b.memory.optimizer * 2, b.memory.grads * 2, b.memory.params) == (a.memory.optimizer, a.memory.grads,
+                                                                             a.memory.params)
+    assert b.bytes_by_link == a.bytes_by_link
+    assert recommend([a, b], cluster=cluster).choice is b  # same traffic, less memory
+    # bf16 compute: the all-gather sends bf16; the master is an fp32 slice plus a bf16 shard.
+    bf16 = ModelSpec(num_params=8_000_000, unit_params=1_000_000, param_dtype="bf16", reduce_dtype="fp32")
+    low = step_collectives(S.HYBRID_SHARD, 4, 2, model=bf16, shard_optimizer=True)
+    assert low[("all_gather", "replicate")] * 2 == low[("reduce_scatter", "replicate")]
+    c = estimate(S.HYBRID_SHARD, 4, model=bf16, cluster=cluster, shard_optimizer=True)
+    assert c.memory.params == 1_000_000 * 4 + 2_000_000 * 2
+    with pytest.raises(ValueError, match="shard_optimizer expects a hybrid strategy, found FULL_SHARD"):
+        estimate(S.FULL_SHARD, 8, model=fp32, cluster=cluster, shard_optimizer=True)

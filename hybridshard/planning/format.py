@@ -63,7 +63,7 @@ def _row(e: Estimate) -> list[str]:
     m = e.memory
     intra, inter = LinkClass.INTRA_NODE, LinkClass.INTER_NODE
     return [
-        e.strategy.name, f"{e.shard_size} x {e.replicate_size}",
+        e.label, f"{e.shard_size} x {e.replicate_size}",
         _gb(m.params), _gb(m.grads), _gb(m.optimizer), _gb(m.gathered), _gb(m.total), "yes" if e.fits else "NO",
         _gb(e.bytes_by_link[intra]), _gb(e.bytes_by_link[inter]),
         f"{e.seconds_by_link[intra]:.3f}", f"{e.seconds_by_link[inter]:.3f}", f"{e.comm_seconds:.3f}",
@@ -100,16 +100,19 @@ def render_text(
         "memory: GB per GPU (1 GB = 1e9 bytes) without activations; traffic: GB and seconds per rank per step",
         "(ring model; collectives not overlapped). See docs/planning.md.",
     ]
+    if any(e.shard_optimizer for e in estimates):
+        lines.append("+optim: shard(..., shard_optimizer_across_replicas=True): optimizer state and gradients over "
+                     "shard x replicate")
     if rec.choice is None:
         lines.append(f"recommended: none: {rec.reason}")
     else:
         c = rec.choice
-        lines.append(f"recommended: {c.strategy.name}, shard size {c.shard_size} x {c.replicate_size} replicas:")
+        lines.append(f"recommended: {c.label}, shard size {c.shard_size} x {c.replicate_size} replicas:")
         lines.append(f"  {rec.reason}")
     by_note: dict[str, list[str]] = {}
     for e in estimates:
         for note in e.notes:
-            by_note.setdefault(note, []).append(f"{e.strategy.name} {e.shard_size} x {e.replicate_size}")
+            by_note.setdefault(note, []).append(f"{e.label} {e.shard_size} x {e.replicate_size}")
     lines += [f"note: {', '.join(labels)}: {note}" for note, labels in by_note.items()]
     return "\n".join(lines)
 
@@ -120,6 +123,7 @@ def _estimate_dict(e: Estimate) -> dict[str, Any]:
         "strategy": e.strategy.name,
         "shard_size": e.shard_size,
         "replicate_size": e.replicate_size,
+        "shard_optimizer_across_replicas": e.shard_optimizer,
         "memory_bytes": {
             "params": m.params, "grads": m.grads, "optimizer": m.optimizer, "gathered": m.gathered, "total": m.total,
         },
@@ -148,6 +152,7 @@ def to_dict(model: ModelSpec, cluster: ClusterSpec, estimates: Sequence[Estimate
         "recommended": None if rec.choice is None else {
             "strategy": rec.choice.strategy.name, "shard_size": rec.choice.shard_size,
             "replicate_size": rec.choice.replicate_size,
+            "shard_optimizer_across_replicas": rec.choice.shard_optimizer,
         },
         "reason": rec.reason,
     }

@@ -189,6 +189,13 @@ class Estimate:
     seconds_by_link: dict[LinkClass, float]
     fits: bool
     notes: tuple[str, ...] = field(default=())
+    shard_optimizer: bool = False
+    """``shard(shard_optimizer_across_replicas=True)``: optimizer state and gradient over shard x replicate."""
+
+    @property
+    def label(self) -> str:
+        """The strategy's name, with ``+optim`` when the optimizer is sharded across replicas."""
+        return self.strategy.name + ("+optim" if self.shard_optimizer else "")
 
     @property
     def comm_seconds(self) -> float:
@@ -221,12 +228,15 @@ def _groups(strategy: ShardingStrategy, cluster: ClusterSpec, shard_size: int) -
 
 
 def step_collectives(
-    strategy: ShardingStrategy, shard_size: int, replicate_size: int, *, model: ModelSpec
+    strategy: ShardingStrategy, shard_size: int, replicate_size: int, *, model: ModelSpec,
+    shard_optimizer: bool = False,
 ) -> dict[tuple[str, str], float]:
     """Ring bytes per rank per step by ``(kind, group)``; see [Note: ring model].
 
     Groups are named as the runtime names them: ``"shard"``/``"replicate"`` for hybrid strategies,
-    ``"world"`` for the others. Collectives over one rank move nothing and are left out.
+    ``"world"`` for the others. Collectives over one rank move nothing and are left out. With
+    ``shard_optimizer`` (hybrid only) the replicate all-reduce is a reduce-scatter of the gradient
+    shard plus, after the step, an all-gather of the updated parameters in the compute dtype.
     """
     n, root = model.num_params, model.root_params
     s, r = shard_size, replicate_size
@@ -240,7 +250,10 @@ def step_collectives(
     if s > 1:
         out[("all_gather", shard_group)] = (s - 1) / s * gathered * model.b_param
         out[("reduce_scatter", shard_group)] = (s - 1) / s * n * model.b_reduce
-    if strategy.is_hybrid and r > 1:
+    if strategy.is_hybrid and r > 1 and shard_optimizer:
+        out[("reduce_scatter", "replicate")] = (r - 1) / r * (n / s) * model.b_reduce
+        out[("all_gather", "replicate")] = (r - 1) / r * (n / s) * model.b_param
+    elif strategy.is_hybrid and r > 1:
         out[("all_reduce", "replicate")] = 2 * (r - 1) / r * (n / s) * model.b_reduce
     return out
 
@@ -253,14 +266,17 @@ def _link_of(group: str, cluster: ClusterSpec) -> LinkClass:
 
 
 def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, prefetch: int = 1,
-           overlap_grads: bool = True) -> MemoryEstimate:
+           overlap_grads: bool = True, replicate_size: int = 1, shard_optimizer: bool = False) -> MemoryEstimate:
     """Per-GPU bytes at the step's peak (in backward); docs/planning.md explains each term.
 
     ``prefetch`` and ``overlap_grads`` are ``shard()``'s: ZeRO-3 with prefetch ``d`` keeps up to
     ``d + 1`` units gathered, and an overlapped reduction keeps the previous unit's gradient alive
-    while the next one is summed.
+    while the next one is summed. ``shard_optimizer`` (with ``replicate_size``): gradients, optimizer
+    state and the master are this rank's ``1 / replicate_size`` slice of the shard; under mixed
+    precision the shard is kept in the compute dtype besides.
     """
     shard_numel = -(-model.num_params // shard_size)
+    slice_numel = -(-shard_numel // replicate_size) if shard_optimizer else shard_numel
     b_p, b_m, b_r = model.b_param, model.b_master, model.b_reduce
     unit = model.unit_params
     # The unit's gradient while autograd sums it into the flat gradient: the sum, one parameter's
@@ -269,7 +285,7 @@ def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, pre
     unit_grad = unit * b_p * 5 // 2 + (unit * b_r if model.reduce_dtype != model.param_dtype else 0)
     if overlap_grads and shard_size > 1:
         unit_grad += unit * b_r  # the previous unit's gradient, kept until its reduce-scatter is done
-    grads = shard_numel * b_m
+    grads = slice_numel * b_m
     if shard_size == 1:
         # The gathered buffer is the master itself unless it is computed in another dtype, and
         # then every unit keeps its copy from forward until its backward.
@@ -283,28 +299,36 @@ def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, pre
         # unit's backward, before any gradient shard exists: the grads term is not there yet.
         kept = model.num_params * b_p - grads
         working = unit_grad
+    if slice_numel == shard_numel or b_p == b_m:
+        params = shard_numel * b_m  # the optimizer's slice is a view of the master shard
+    else:
+        params = slice_numel * b_m + shard_numel * b_p  # the master slice, and the shard in the compute dtype
     return MemoryEstimate(
-        params=shard_numel * b_m,
+        params=params,
         grads=grads,
-        optimizer=model.optimizer.states_per_param * shard_numel * b_m,
+        optimizer=model.optimizer.states_per_param * slice_numel * b_m,
         gathered=kept + working,
     )
 
 
 def estimate(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, cluster: ClusterSpec,
-             prefetch: int = 1, overlap_grads: bool = True) -> Estimate:
-    """Memory and communication of ``strategy`` with ``shard_size`` (ignored unless hybrid)."""
+             prefetch: int = 1, overlap_grads: bool = True, shard_optimizer: bool = False) -> Estimate:
+    """Memory and communication of ``strategy`` with ``shard_size`` (ignored unless hybrid);
+    ``shard_optimizer``: ``shard_optimizer_across_replicas=True`` (hybrid strategies only)."""
+    if shard_optimizer and not strategy.is_hybrid:
+        raise ValueError(f"shard_optimizer expects a hybrid strategy, found {strategy.name}; drop it or pick HYBRID_SHARD")
     s, r = _groups(strategy, cluster, shard_size)
     if s * r != cluster.world_size:
         raise ValueError(
             f"shard size {s} does not divide the world size {cluster.world_size}; pick one of {shard_sizes(cluster)}"
         )
-    collectives = step_collectives(strategy, s, r, model=model)
+    collectives = step_collectives(strategy, s, r, model=model, shard_optimizer=shard_optimizer)
     by_link = {LinkClass.INTRA_NODE: 0.0, LinkClass.INTER_NODE: 0.0}
     for (_, group), nbytes in collectives.items():
         by_link[_link_of(group, cluster)] += nbytes
     seconds = {link: nbytes * 8 / (cluster.gbps(link) * 1e9) for link, nbytes in by_link.items()}
-    mem = memory(strategy, s, model=model, prefetch=prefetch, overlap_grads=overlap_grads)
+    mem = memory(strategy, s, model=model, prefetch=prefetch, overlap_grads=overlap_grads, replicate_size=r,
+                 shard_optimizer=shard_optimizer)
     notes = []
     if not strategy.is_hybrid and strategy is not ShardingStrategy.NO_SHARD and cluster.num_nodes > 1:
         spans = f"its shard group spans {cluster.num_nodes} nodes"
@@ -321,19 +345,23 @@ def estimate(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, c
         seconds_by_link=seconds,
         fits=mem.total <= cluster.gpu_memory_bytes,
         notes=tuple(notes),
+        shard_optimizer=shard_optimizer,
     )
 
 
 def estimate_all(
     *, model: ModelSpec, cluster: ClusterSpec, hybrid_shard_sizes: Sequence[int] | None = None
 ) -> list[Estimate]:
-    """Every strategy, and every hybrid strategy at every shard size that tiles the nodes."""
+    """Every strategy, and every hybrid strategy at every shard size that tiles the nodes, also with
+    the optimizer sharded across replicas where there is more than one replica."""
     sizes = list(hybrid_shard_sizes) if hybrid_shard_sizes is not None else shard_sizes(cluster)
     world_sharded = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
     out = [estimate(s, cluster.world_size, model=model, cluster=cluster) for s in world_sharded]
     out.append(estimate(ShardingStrategy.NO_SHARD, 1, model=model, cluster=cluster))
     for strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2):
         out += [estimate(strategy, s, model=model, cluster=cluster) for s in sizes]
+    out += [estimate(ShardingStrategy.HYBRID_SHARD, s, model=model, cluster=cluster, shard_optimizer=True)
+            for s in sizes if cluster.world_size // s > 1]
     return out
 
 
@@ -364,4 +392,4 @@ def recommend(estimates: Sequence[Estimate], *, cluster: ClusterSpec) -> Recomme
 
 
 def _label(e: Estimate) -> str:
-    return f"{e.strategy.name} (shard size {e.shard_size})"
+    return f"{e.label} (shard size {e.shard_size})"

@@ -16,6 +16,7 @@ from hybridshard.runtime.build import broadcast_from_rank0, build_unit, distinct
 from hybridshard.runtime.engine import Runtime, holds_sharded_module
 from hybridshard.runtime.executor import resolve_executor
 from hybridshard.runtime.offload import parse_offload
+from hybridshard.runtime.replica_slices import SliceSync
 from hybridshard.runtime.model_check import INIT_SEED, check_devices, check_same_model
 from hybridshard.runtime.state_guard import guard_state_dict
 from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
@@ -47,6 +48,7 @@ def shard(
     offload: Any = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     init_seed: int | None = None,
+    shard_optimizer_across_replicas: bool = False,
 ) -> nn.Module:
     """Shard ``model`` in place and return it.
 
@@ -94,6 +96,17 @@ def shard(
     (default: rank 0's ``torch.initial_seed()``) and the module's name, so the values do not depend on the
     topology (see [Note: deferred init] in :mod:`hybridshard.runtime.deferred_init`).
 
+    ``shard_optimizer_across_replicas=True`` (hybrid strategies; "HSDP with the optimizer sharded
+    globally") keeps parameters for compute sharded inside the shard group but shards the optimizer
+    over the whole job: between steps each parameter is this rank's ``1 / (S * R)`` slice, so the
+    optimizer built after ``shard`` keeps state (and steps) for that slice only. Gradients are
+    reduce-scattered across the replicate group instead of all-reduced, and ``optimizer.step()``
+    all-gathers the updated slices across it (an optimizer step post-hook), at the same inter-node
+    bytes; after changing parameters other than through ``optimizer.step()``, call
+    :func:`hybridshard.gather_updated_params`. Under mixed precision the fp32 master is kept for the
+    slice only, the shard in ``param_dtype``. See [Note: optimizer state sharded across replicas] in
+    :mod:`hybridshard.runtime.replica_slices`.
+
     After ``shard``, ``model.state_dict()`` and ``load_state_dict()`` raise a ``ValueError`` naming
     :func:`hybridshard.full_state_dict` and the other calls that do the job (see [Note: a state dict
     that cannot lie] in :mod:`hybridshard.runtime.state_guard`).
@@ -132,6 +145,7 @@ def shard(
     _check_low_precision_grads(mixed_precision, torch.Tensor)
     specs = split_frozen_parts(plan_units(model, wrap), split_frozen)
     strategies = [spec.strategy or strategy for spec in specs]
+    _check_optimizer_slicing(shard_optimizer_across_replicas, strategy, strategies, offload)
     by_strategy, groups = _resolve_groups(strategies, groups, mesh)
     device = _resolve_device(device, groups)
     executor_kind = resolve_executor(executor, device)
@@ -155,6 +169,8 @@ def shard(
     runtime = Runtime(model, strategy, mixed_precision, device, prefetch=prefetch, overlap_grads=overlap_grads,
                       compressor=compressor, check_steps=check_steps, executor=executor_kind,
                       offload=offload_policy)
+    slice_optimizer = {s: shard_optimizer_across_replicas and s.is_hybrid and by_strategy[s].replicate_size > 1
+                       for s in set(strategies)}
     rank0_index: dict[int, int] = {}
     if sync_module_states:
         for used in distinct(by_strategy[s] for s in strategies):
@@ -168,7 +184,8 @@ def shard(
                 specs[j] = new_spec
             spec = specs[i]
         units.append(
-            build_unit(spec, s, by_strategy[s], mixed_precision, device, rank0_index.get(id(by_strategy[s])), runtime)
+            build_unit(spec, s, by_strategy[s], mixed_precision, device, rank0_index.get(id(by_strategy[s])), runtime,
+                       slice_optimizer=slice_optimizer[s])
         )
         if deferred is not None and (i + 1 == len(specs) or specs[i + 1].part_of is None):
             deferred.release()  # the unit (and its frozen part) hold their shards: one unit at a time
@@ -183,6 +200,8 @@ def shard(
         if sync_module_states:
             broadcast_from_rank0(buf.data, root_groups, rank0_index[id(root_groups)])
     runtime.attach(units)
+    if any(u.replica_slice is not None for u in units):
+        runtime.replica_slices = SliceSync(units)
     runtime.guard_conversions()
     guard_state_dict(model)
     watchdog.start()
@@ -191,6 +210,26 @@ def shard(
         per_strategy = Counter(f"{u.strategy.name} ({u.groups.shard_size}x{u.groups.replicate_size})" for u in units)
         logger.info("sharded %s: %d units on %s: %s", type(model).__name__, len(units), device, dict(per_strategy))
     return model
+
+
+def _check_optimizer_slicing(on: bool, strategy: ShardingStrategy, strategies: Sequence[ShardingStrategy],
+                             offload: Any) -> None:
+    """``shard_optimizer_across_replicas`` needs a hybrid strategy (the replicas to shard over) and no offload."""
+    if not isinstance(on, bool):
+        raise ValueError(f"shard_optimizer_across_replicas must be True or False; got {on!r}")
+    if not on:
+        return
+    if not strategy.is_hybrid:
+        raise ValueError(
+            f"shard_optimizer_across_replicas=True expects a hybrid strategy (HYBRID_SHARD or HYBRID_SHARD_ZERO2), "
+            f"found strategy={strategy.name}; use strategy='HYBRID_SHARD', or drop the option "
+            f"({strategy.name} has no replicate group to shard the optimizer over)"
+        )
+    if offload is not None and offload is not False:
+        raise ValueError(
+            "shard_optimizer_across_replicas=True expects the master shards on the compute device, found "
+            f"offload={offload!r}; drop offload= (the slices already divide optimizer memory by the replica count)"
+        )
 
 
 def _check_low_precision_grads(mp: MixedPrecision | None, tensor_type: type) -> None:

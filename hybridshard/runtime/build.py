@@ -13,6 +13,7 @@ from hybridshard.runtime import collectives as C
 from hybridshard.runtime.engine import Runtime
 from hybridshard.runtime.flat_param import FlatParam
 from hybridshard.runtime.layout import FlatLayout
+from hybridshard.runtime.replica_slices import ReplicaSlice, owned_range
 from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.runtime.unit import Unit
 from hybridshard.runtime.wrap import UnitSpec
@@ -69,7 +70,11 @@ def build_unit(
     device: torch.device,
     rank0_index: int | None,
     runtime: Runtime,
+    *,
+    slice_optimizer: bool = False,
 ) -> Unit:
+    """One unit over ``spec``'s parameters; ``slice_optimizer``: the optimizer steps this replica's
+    slice of the shard (see :mod:`hybridshard.runtime.replica_slices`)."""
     dtypes = {p.dtype for p in spec.params}
     if len(dtypes) > 1:
         found = {n: str(p.dtype) for n, p in zip(spec.param_names, spec.params)}
@@ -88,6 +93,7 @@ def build_unit(
         shard_rank=groups.shard_rank,
         align_numel=max(1, _ALIGN_BYTES // itemsize),
         aliases=spec.aliases,
+        shard_multiple=groups.replicate_size if slice_optimizer else 1,
     )
     start, end = layout.shard_range()
     if rank0_index is not None:  # every element goes through the broadcast: build the whole buffer
@@ -105,9 +111,10 @@ def build_unit(
                 if part.numel:
                     source = p.detach().reshape(-1)[part.param_start : part.param_start + part.numel]
                     sharded[part.shard_offset : part.shard_offset + part.numel].copy_(source)
+    owned = owned_range(layout.shard_numel, groups.replicate_rank, groups.replicate_size) if slice_optimizer else None
     flat = FlatParam(layout, spec.params, sharded, compute_dtype=compute_dtype, grad_dtype=grad_dtype,
-                     offload=runtime.offload, device=device)
-    return Unit(
+                     offload=runtime.offload, device=device, owned=owned)
+    unit = Unit(
         spec.name,
         spec.module,
         flat,
@@ -117,3 +124,6 @@ def build_unit(
         reduce_dtype=reduce_dtype,
         runtime=runtime,
     )
+    if slice_optimizer:
+        unit.replica_slice = ReplicaSlice(unit)
+    return unit

@@ -52,7 +52,7 @@ def _find_changed(unit: Any) -> str:
     local = unit.flat.local_chunk()
     master = unit.flat.gather_input()
     slots = unit.flat.layout.slots
-    for slot, part in zip(slots, unit.flat.local):
+    for slot, part in zip(slots, unit.flat.layout.local_slices()):  # the whole chunk, not the owned range
         lo = part.shard_offset
         if part.numel and not torch.equal(local[lo : lo + part.numel], master[lo : lo + part.numel]):
             return slot.name

@@ -180,8 +180,22 @@ class ReplicateCompressor:
             )
         return state
 
-    def _all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, size: int, key: Hashable,
-                    stats: C.CollectiveCounts | None) -> None:
+    def reduce_scatter(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, *, key: Hashable,
+                       stats: C.CollectiveCounts | None = None) -> torch.Tensor:
+        """Phase 1 alone: this rank's chunk (``ceil(numel / size)`` elements, fp32) of the approximate
+        sum of a 1-D tensor over ``group``, with phase-1 error feedback under ``key``. Every rank of
+        the group must call it. For the optimizer sharded across replicas (see [Note: optimizer state
+        sharded across replicas] in :mod:`hybridshard.runtime.replica_slices`)."""
+        size = C.group_size(group)
+        if size == 1:
+            return tensor.float().clone()
+        with self._lock:
+            reduced, _, _ = self._phase1(tensor, group, size, key, stats)
+        return reduced.view(-1)
+
+    def _phase1(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, size: int, key: Hashable,
+                stats: C.CollectiveCounts | None) -> tuple[torch.Tensor, "_Feedback | None", int]:
+        """Quantize, all-to-all and sum: ``(this rank's reduced chunk (1, chunk), feedback state, chunk)``."""
         numel, mode, block = tensor.numel(), self.mode, self.block_size
         chunk = -(-numel // size)
         x = torch.zeros(size * chunk, device=tensor.device)
@@ -201,6 +215,12 @@ class ReplicateCompressor:
         reduced = parts[0:1].clone()
         for j in range(1, size):
             reduced += parts[j : j + 1]
+        return reduced, state, chunk
+
+    def _all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, size: int, key: Hashable,
+                    stats: C.CollectiveCounts | None) -> None:
+        numel, mode, block = tensor.numel(), self.mode, self.block_size
+        reduced, state, chunk = self._phase1(tensor, group, size, key, stats)
 
         # Phase 2: every rank receives every owner's quantized reduced chunk.
         if state is not None:

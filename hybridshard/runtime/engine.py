@@ -100,6 +100,9 @@ class Runtime:
         """What the units' collectives moved; read by :func:`hybridshard.comm_stats`."""
         self.steps = 0
         """Backwards that reduced gradients (not inside ``no_sync``) since the stats were reset."""
+        self.replica_slices: Any = None
+        """A :class:`~hybridshard.runtime.replica_slices.SliceSync` when the optimizer is sharded across
+        replicas, else ``None``."""
 
     @property
     def reducer(self) -> Any:
@@ -205,8 +208,11 @@ class Runtime:
             check.verify()
 
     def before_reduction(self) -> None:
-        """Called before any gradient of a backward is reduced: the step check must have passed."""
+        """Called before any gradient of a backward is reduced: the step check must have passed, and
+        the last step's gathers across replicas must be done (they write the shards)."""
         self._verify_pending_check()
+        if self.replica_slices is not None:
+            self.replica_slices.wait_all()
 
     def _backward_running(self) -> bool:
         """Whether the backward that queued the final callback is still running; see

@@ -52,19 +52,40 @@ class FlatParam:
         grad_dtype: torch.dtype,
         offload: CPUOffload | None = None,
         device: torch.device | None = None,
+        owned: tuple[int, int] | None = None,
     ) -> None:
         """``sharded`` is this rank's master shard (``layout.shard_numel`` elements); it is kept, not copied
-        (moved to CPU memory when offloading). ``device`` is the compute device (default: the shard's)."""
+        (moved to CPU memory when offloading). ``device`` is the compute device (default: the shard's).
+        ``owned`` is the ``[start, end)`` of the shard that the original parameters view and the
+        optimizer steps: the whole shard by default, this replica's slice of it when the optimizer is
+        sharded across replicas (see [Note: optimizer state sharded across replicas] in
+        :mod:`hybridshard.runtime.replica_slices`)."""
         assert len(params) == len(layout.slots) and sharded.numel() == layout.shard_numel
         self.layout = layout
         self.params = tuple(params)
-        self.local = layout.local_slices()
+        lo, hi = owned if owned is not None else (0, layout.shard_numel)
+        assert 0 <= lo <= hi <= layout.shard_numel
+        self.owned_range = (lo, hi)
+        self.owned_numel = hi - lo
+        """Elements of the shard the parameters view: the length of gradient shards and optimizer state."""
+        shard_start = layout.shard_range()[0]
+        self.local = layout.slices_in(shard_start + lo, shard_start + hi)
+        """Per slot, its part of the owned range (``shard_offset`` counted from the range's start)."""
         self.device = sharded.device if device is None else device
         """The compute device: where the unsharded buffer lives (the master may be offloaded)."""
         self.sharded = sharded if offload is None else place_master(sharded, offload)
         self.offload = offload
         self._staged: Staged | None = None
         """The next all-gather's input, made ahead (offload only; see [Note: CPU offload])."""
+        self.owned = self.sharded if owned is None else self.sharded[lo:hi]
+        """The owned range of the master shard: what the optimizer steps (a view of ``sharded``, or
+        the separate master slice)."""
+        self.separate_master = owned is not None and compute_dtype != sharded.dtype and sharded.is_floating_point()
+        """The master slice is its own tensor and ``sharded`` holds the compute dtype; see [Note:
+        optimizer state sharded across replicas] in :mod:`hybridshard.runtime.replica_slices`."""
+        if self.separate_master:
+            self.owned = self.owned.clone()
+            self.sharded = self.sharded.to(compute_dtype)
         self.compute_dtype = compute_dtype
         self.grad_dtype = grad_dtype
         # The leaf requires grad even when every parameter is frozen now: a parameter unfrozen after
@@ -84,16 +105,16 @@ class FlatParam:
         """The flat gradient shard the parameters' ``.grad`` view; see [Note: who holds the gradient shard]."""
         for p in self.params:
             # keep_low_precision_grads: a bf16 .grad next to an fp32 parameter (checked in shard()).
-            if grad_dtype != self.sharded.dtype:  # frozen ones too: they may be unfrozen later
+            if grad_dtype != self.owned.dtype:  # frozen ones too: they may be unfrozen later
                 p.grad_dtype = grad_dtype
         self.use_sharded_params()
 
     # -- the sharded side ------------------------------------------------------------------------
 
     def shard_view(self, i: int, flat: torch.Tensor | None = None) -> torch.Tensor:
-        """Slot ``i``'s part of a shard-sized tensor (the master by default), flattened."""
+        """Slot ``i``'s part of an owned-sized tensor (the master's owned range by default), flattened."""
         part = self.local[i]
-        flat = self.sharded if flat is None else flat
+        flat = self.owned if flat is None else flat
         return flat[part.shard_offset : part.shard_offset + part.numel]
 
     def use_sharded_params(self) -> None:
@@ -108,7 +129,8 @@ class FlatParam:
         parameter's when made through an original parameter (``.data`` assignment gives a parameter
         a counter of its own).
         """
-        return (self.sharded._version, *(p._version for p in self.params))
+        master = self.sharded._version + (self.owned._version if self.separate_master else 0)
+        return (master, *(p._version for p in self.params))
 
     def writeback_params(self) -> None:
         """Copy into the master any parameter whose ``.data`` the user replaced since the last step.
@@ -117,7 +139,7 @@ class FlatParam:
         every gather, so a parameter still pointing at its part of the master is recognised from its
         address and shape alone, without making a view of the master for it.
         """
-        base, itemsize = self.sharded.data_ptr(), self.sharded.element_size()
+        base, itemsize = self.owned.data_ptr(), self.owned.element_size()
         for i, p in enumerate(self.params):
             part = self.local[i]
             if part.numel and p.dim() == 1 and p.shape[0] == part.numel and \
@@ -134,6 +156,9 @@ class FlatParam:
                 )
             logger.debug("writing back replaced parameter %s", self.layout.slots[i].name)
             view.copy_(p.data.reshape(-1))
+            if self.separate_master:  # and this replica's compute copy of it
+                lo = self.owned_range[0] + part.shard_offset
+                self.sharded[lo : lo + part.numel].copy_(view)
             p.data = view
 
     # -- the unsharded side ----------------------------------------------------------------------
@@ -244,7 +269,7 @@ class FlatParam:
             return None
         flat = self._grad_ref() if self._grad_ref is not None else None
         if flat is None:
-            flat = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.sharded.device)
+            flat = torch.zeros(self.owned_numel, dtype=self.grad_dtype, device=self.sharded.device)
         for i, p in trainable:
             view = self.shard_view(i, flat)
             if p.grad is None:

@@ -40,7 +40,10 @@ def clip_grad_norm_(
     the whole job and each unit's elements are counted on replica 0 of its replicate group only: the
     shards on the ranks with ``replicate_rank == 0`` tile the unit exactly once. The others add
     nothing for that unit (and skip its arithmetic); the copies are identical because they came
-    out of the same all-reduce. Still one all-reduce of one number, with no division, so the
+    out of the same all-reduce. With the optimizer sharded across replicas each rank holds its
+    own slice of each hybrid unit's gradient (see :mod:`hybridshard.runtime.replica_slices`): the
+    slices tile the unit over the whole job, so every rank counts them and the sum runs over the
+    whole job. Still one all-reduce of one number, with no division, so the
     counting is exact. The max norm (``norm_type=inf``) uses the same ranks and a MAX reduction.
     """
     runtime = get_runtime(model)
@@ -48,7 +51,9 @@ def clip_grad_norm_(
     if not norm_type > 0:
         raise ValueError(f"norm_type must be positive (2.0, or inf for the max norm); got {norm_type}")
     units = runtime.units
-    uniform = all(u.groups is units[0].groups for u in units)
+    # Slices of the optimizer sharded across replicas tile each unit over the whole job.
+    sliced = any(u.replica_slice is not None for u in units)
+    uniform = all(u.groups is units[0].groups for u in units) and not sliced
     group = units[0].groups.shard if uniform else dist.group.WORLD
     group_size = units[0].groups.shard_size if uniform else dist.get_world_size()
     counted = [g for u in units if uniform or _counts_here(u) for g in _grads(u)]
@@ -88,5 +93,5 @@ def _grads(unit: Unit) -> list[torch.Tensor]:
 
 
 def _counts_here(unit: Unit) -> bool:
-    """Whether this rank's shard of ``unit`` is the copy the job-wide sum counts."""
-    return unit.groups.replicate_rank == 0
+    """Whether this rank's shard of ``unit`` is the copy the job-wide sum counts (its own slice always is)."""
+    return unit.replica_slice is not None or unit.groups.replicate_rank == 0

@@ -85,12 +85,19 @@ class FlatLayout:
         shard_rank: int,
         align_numel: int = 1,
         aliases: Sequence[tuple[str, str]] = (),
+        shard_multiple: int = 1,
     ) -> "FlatLayout":
-        """Lay out ``(name, shape)`` pairs in order; see [Note: flat layout]."""
+        """Lay out ``(name, shape)`` pairs in order; see [Note: flat layout].
+
+        ``shard_multiple``: pad so that each shard also divides into that many equal parts (the
+        replicas' optimizer slices; see [Note: optimizer state sharded across replicas] in
+        :mod:`hybridshard.runtime.replica_slices`)."""
         if shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {shard_size}")
         if align_numel < 1:
             raise ValueError(f"align_numel must be >= 1, got {align_numel}")
+        if shard_multiple < 1:
+            raise ValueError(f"shard_multiple must be >= 1, got {shard_multiple}")
         names = [n for n, _ in params]
         if len(set(names)) != len(names):
             raise ValueError(f"parameter names must be distinct; got {names}")
@@ -104,7 +111,8 @@ class FlatLayout:
             slot = ParamSlot(name=name, shape=tuple(int(d) for d in shape), offset=cursor)
             slots.append(slot)
             cursor = slot.end
-        padded = max(-(-cursor // shard_size) * shard_size, shard_size)
+        unit = shard_size * shard_multiple
+        padded = max(-(-cursor // unit) * unit, unit)
         return cls(
             slots=tuple(slots),
             aliases=tuple((a, p) for a, p in aliases),

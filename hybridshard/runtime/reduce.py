@@ -101,6 +101,10 @@ class GradReduction:
         held, self.pending_shard = self.pending_shard, None
         hold = mode is SyncMode.SHARD_ONLY
         stats = runtime.stats
+        # Allocated here, on the compute stream, like every buffer that outlives the side streams.
+        sliced = None
+        if not hold and unit.replica_slice is not None:
+            sliced = unit.replica_slice.new_output(reduce_dtype, grad.device)
 
         no_shard = not unit.strategy.is_hybrid and groups.shard_size == 1 and groups.replicate_size > 1
         # See [Note: dividing fp16 gradients]; NO_SHARD's one sum is its all-reduce: divide before it.
@@ -115,6 +119,8 @@ class GradReduction:
 
         def scale_and_replicate(shard: torch.Tensor) -> tuple[torch.Tensor, C.Pending | None]:
             shard = scale(shard)
+            if sliced is not None:  # a slice of the shard: see replica_slices.py
+                return unit.replica_slice.reduce_scatter(shard, sliced, async_op=overlap)
             return shard, None if hold else self._replicate(shard, async_op=overlap)
 
         if groups.shard_size > 1:

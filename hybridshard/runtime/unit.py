@@ -147,6 +147,9 @@ class Unit:
         self.gathered_versions: tuple[int, ...] = ()
         """The master's version counters at the last gather; see [Note: stale gathers]."""
         self.reduction = GradReduction(self, runtime)
+        self.replica_slice: Any = None
+        """This rank's optimizer slice when the optimizer is sharded across replicas, else ``None``
+        (see :mod:`hybridshard.runtime.replica_slices`)."""
         self._gathering: C.Pending | None = None
         self.prefetched = False
         """Gathered ahead by the prefetcher and not used yet."""
@@ -220,6 +223,8 @@ class Unit:
 
     def _gather(self, async_op: bool = False) -> C.Pending | None:
         """Fill the allocated unsharded buffer from every rank's master shard."""
+        if self.replica_slice is not None:
+            self.replica_slice.wait()  # the replicas' updated slices, gathered after the last step
         self.flat.writeback_params()
         self.gathered_versions = self.flat.master_versions()
         if self.flat.aliases_master or not self.flat.layout.slots:

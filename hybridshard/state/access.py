@@ -22,7 +22,9 @@ from hybridshard.runtime.unit import ShardedState, Unit
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ParamRange", "check_idle", "gather_unit", "holds_rank0", "is_sharded", "module_state_dict", "param_ranges", "units",
+    "ParamRange", "check_idle", "gather_slices", "gather_unit", "holds_rank0", "is_sharded", "master_shard",
+    "module_state_dict",
+    "owned_to_shard", "param_ranges", "units",
 ]
 
 
@@ -32,7 +34,13 @@ def units(model: nn.Module) -> Sequence[Unit]:
 
 
 def check_idle(model: nn.Module, what: str) -> None:
-    """``RuntimeError`` unless every unit is sharded (between steps): ``what`` reads the master shards."""
+    """``RuntimeError`` unless every unit is sharded (between steps): ``what`` reads the master shards.
+
+    Waits for the all-gathers across replicas the last optimizer step started, so the master shards
+    are current (see :mod:`hybridshard.runtime.replica_slices`)."""
+    slices = get_runtime(model).replica_slices
+    if slices is not None:
+        slices.wait_all()
     for unit in units(model):
         if unit.sharded_state is not ShardedState.SHARDED:
             raise RuntimeError(
@@ -45,6 +53,33 @@ def holds_rank0(unit: Unit) -> bool:
     """True when this rank's shard group of ``unit`` contains global rank 0 (which then has every element)."""
     group = unit.groups.shard
     return dist.get_rank() == 0 if group is None else 0 in dist.get_process_group_ranks(group)
+
+
+def owned_to_shard(unit: Unit, owned: torch.Tensor) -> torch.Tensor:
+    """A tensor laid out like ``unit``'s owned range (optimizer state) widened to the whole shard: the
+    replicas' slices all-gathered across the replicate group when the optimizer is sharded across
+    replicas (collective over that group), else ``owned`` itself."""
+    if unit.replica_slice is None:
+        return owned
+    shard = torch.empty(unit.flat.layout.shard_numel, dtype=owned.dtype, device=owned.device)
+    C.all_gather(shard, owned, unit.groups.replicate)
+    return shard
+
+
+def master_shard(unit: Unit) -> torch.Tensor:
+    """``unit``'s master shard in the master dtype: ``flat.sharded``, or, when the master is kept only
+    for this replica's slice (mixed precision with the optimizer sharded across replicas), the
+    replicas' slices all-gathered across the replicate group (collective over that group then)."""
+    flat = unit.flat
+    return owned_to_shard(unit, flat.owned) if flat.separate_master else flat.sharded
+
+
+def gather_slices(model: nn.Module) -> None:
+    """After writing the owned ranges of the master shards (a load): all-gather them across replicas
+    when the optimizer is sharded across them; no-op otherwise. Collective."""
+    slices = get_runtime(model).replica_slices
+    if slices is not None:
+        slices.gather_all()
 
 
 def gather_unit(unit: Unit, shard: torch.Tensor) -> torch.Tensor:
@@ -77,7 +112,9 @@ def param_ranges(model: nn.Module, *, replica_split: bool = False) -> dict[str, 
 
     For a plain model every range is the whole parameter. For a sharded one it is this rank's part
     of the parameter (see [Note: flat layout]); with ``replica_split`` only this replica's share of
-    that part (see [Note: replicas split the writing] in :mod:`hybridshard.state.planner`).
+    that part (see [Note: replicas split the writing] in :mod:`hybridshard.state.planner`). With the
+    optimizer sharded across replicas it is always that share: the slice the parameter views (see
+    :mod:`hybridshard.runtime.replica_slices`).
     """
     if not is_sharded(model):
         return {n: ParamRange(tuple(p.shape), 0, p.numel(), 0) for n, p in model.named_parameters()}
@@ -87,7 +124,10 @@ def param_ranges(model: nn.Module, *, replica_split: bool = False) -> dict[str, 
     for unit in units(model):
         layout, groups = unit.flat.layout, unit.groups
         start, end = layout.shard_range()
-        if replica_split:
+        if unit.replica_slice is not None:
+            lo, hi = unit.flat.owned_range
+            start, end = start + lo, start + hi
+        elif replica_split:
             start, end = replica_part(start, end, groups.replicate_rank, groups.replicate_size)
         for slot, whole, part in zip(layout.slots, unit.flat.local, layout.slices_in(start, end)):
             at = part.param_start - whole.param_start if part.numel else 0

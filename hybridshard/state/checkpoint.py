@@ -44,7 +44,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hybridshard.runtime.engine import get_runtime
 from hybridshard.state import optim as O
-from hybridshard.state.access import check_idle, is_sharded, local_params, module_state_dict, param_ranges, units
+from hybridshard.state.access import (
+    check_idle, gather_slices, is_sharded, local_params, module_state_dict, param_ranges, units,
+)
 from hybridshard.state.planner import Piece, PieceLoadPlanner, PieceSavePlanner
 from hybridshard.state.progress import ProgressWriter
 from hybridshard.runtime.position import api_call
@@ -339,6 +341,7 @@ def load_checkpoint(
                 for i, slot in enumerate(unit.flat.layout.slots):
                     unit.flat.shard_view(i).copy_(targets[slot.name])
                 unit.flat.use_sharded_params()
+            gather_slices(model)  # the replicas' slices, when the optimizer is sharded across them
         else:
             for name, p in local.items():
                 p.data.copy_(targets[name].view(p.shape))

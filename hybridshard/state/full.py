@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hybridshard.state.access import check_idle, gather_unit, holds_rank0, module_state_dict, units
+from hybridshard.state.access import check_idle, gather_unit, holds_rank0, master_shard, module_state_dict, units
 from hybridshard.runtime.position import api_call
 
 logger = logging.getLogger(__name__)
@@ -41,9 +41,12 @@ def full_state_dict(model: nn.Module, *, to_cpu: bool = True, rank0_only: bool =
     for u, unit in enumerate(units(model)):
         flat, layout = unit.flat, unit.flat.layout
         flat.writeback_params()
+        if rank0_only and not holds_rank0(unit) and not flat.separate_master:
+            continue
+        master = master_shard(unit)  # every replica takes part when it gathers the slices
         if rank0_only and not holds_rank0(unit):
             continue
-        gathered = gather_unit(unit, flat.sharded)
+        gathered = gather_unit(unit, master)
         if keep:
             for i, slot in enumerate(layout.slots):
                 full[(u, i)] = _copy(gathered[slot.offset : slot.end].view(slot.shape), to_cpu)
@@ -100,12 +103,19 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
                 f"state dict entry {key!r} has shape {list(state_dict[key].shape)}, the model expects "
                 f"{list(shape)}; nothing was loaded. Load a state dict saved from the same model"
             )
+    # The whole chunk of each unit: with the optimizer sharded across replicas the parameters view
+    # only a slice of it, but every replica computes with all of it.
+    chunks = [unit.flat.layout.local_slices() for unit in sharded_units]
     with torch.no_grad():
         for key, (u, i) in keys.items():
             flat = sharded_units[u].flat
-            part = flat.local[i]
+            part = chunks[u][i]
             if part.numel:
                 source = state_dict[key].reshape(-1)[part.param_start : part.param_start + part.numel]
+                flat.sharded[part.shard_offset : part.shard_offset + part.numel].copy_(source)
+            owned = flat.local[i]
+            if flat.separate_master and owned.numel:  # the master slice, in its own dtype
+                source = state_dict[key].reshape(-1)[owned.param_start : owned.param_start + owned.numel]
                 flat.shard_view(i).copy_(source)
         for unit in sharded_units:
             unit.flat.use_sharded_params()

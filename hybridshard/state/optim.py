@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hybridshard.state.access import check_idle, gather_unit, holds_rank0, is_sharded, local_params, param_ranges, units
+from hybridshard.state.access import (
+    check_idle, gather_unit, holds_rank0, is_sharded, local_params, owned_to_shard, param_ranges, units,
+)
 from hybridshard.runtime.position import api_call
 
 logger = logging.getLogger(__name__)
@@ -71,12 +73,13 @@ def named_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 
 
 def _shard_buffer(unit, tensors: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
-    """A shard-sized buffer holding each slot's local tensor at its place (zeros elsewhere)."""
-    buf = torch.zeros(unit.flat.layout.shard_numel, dtype=like.dtype, device=unit.flat.sharded.device)
+    """A shard-sized buffer holding each slot's local tensor at its place (zeros elsewhere); the
+    replicas' slices gathered in when the optimizer is sharded across them (collective then)."""
+    buf = torch.zeros(unit.flat.owned_numel, dtype=like.dtype, device=unit.flat.sharded.device)
     for part, t in zip(unit.flat.local, tensors):
         if t is not None and part.numel:
             buf[part.shard_offset : part.shard_offset + part.numel].copy_(t.reshape(-1))
-    return buf
+    return owned_to_shard(unit, buf)
 
 
 @api_call
@@ -109,10 +112,13 @@ def full_optim_state_dict(
                     value = e[key]
                     value = value.detach().clone() if torch.is_tensor(value) else value
                     state.setdefault(slot.name, {})[key] = value.cpu() if to_cpu and torch.is_tensor(value) else value
-            if not any(elementwise) or (rank0_only and not holds_rank0(unit)):
+            skip = rank0_only and not holds_rank0(unit)
+            if not any(elementwise) or (skip and unit.replica_slice is None):
                 continue
             like = next(e[key] for e, per in zip(entries, elementwise) if per)
             shard = _shard_buffer(unit, [e[key] if per else None for e, per in zip(entries, elementwise)], like)
+            if skip:  # it took part in its replicas' gather only
+                continue
             gathered = gather_unit(unit, shard)
             if keep:
                 for slot, per in zip(layout.slots, elementwise):

@@ -224,13 +224,16 @@ def _load_unit(unit: Any, u: int, found: dict, reader: _Reader, unstriped: int, 
     lo = min(start + groups.replicate_rank * stripe, end)
     hi = min(lo + stripe, end)
     # The collective runs on the compute device; an offloaded master (CPU memory) takes a copy.
-    mine = torch.zeros(stripe, dtype=flat.sharded.dtype, device=flat.device)
+    mine = torch.zeros(stripe, dtype=flat.owned.dtype, device=flat.device)
     direct = flat.sharded.device == flat.device
     with torch.no_grad():
         for i, part in enumerate(layout.slices_in(lo, hi)):
             if part.numel:
                 values = reader.read(found[(u, i)], part.param_start, part.numel)
                 mine[part.shard_offset : part.shard_offset + part.numel].copy_(values)
+        if flat.separate_master:  # this stripe is the replica's master slice: kept in the master dtype
+            flat.owned.copy_(mine)
+            mine = mine.to(flat.sharded.dtype)
         if groups.replicate_size == 1:
             flat.sharded.copy_(mine[: layout.shard_numel])
         elif direct and stripe * groups.replicate_size == layout.shard_numel:  # the stripes tile the shard

@@ -31,7 +31,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hybridshard.runtime.position import api_call
-from hybridshard.state.access import check_idle, gather_unit, holds_rank0, is_sharded, module_state_dict, units
+from hybridshard.state.access import (
+    check_idle, gather_unit, holds_rank0, is_sharded, master_shard, module_state_dict, units,
+)
 from hybridshard.state.checkpoint import _PARTIAL, _publish
 from hybridshard.state.full import param_keys
 from hybridshard.state.pretrained_load import INDEX, safetensors_module
@@ -84,9 +86,12 @@ def save_pretrained(model: nn.Module, path: str, *, config: Any = None, dtype: t
     for n, (u, unit) in enumerate(sharded):
         flat, layout = unit.flat, unit.flat.layout
         flat.writeback_params()
+        if not holds_rank0(unit) and not flat.separate_master:
+            continue
+        master = master_shard(unit)  # every replica takes part when it gathers the slices
         if not holds_rank0(unit):
             continue
-        gathered = gather_unit(unit, flat.sharded)
+        gathered = gather_unit(unit, master)
         if not writer:
             del gathered
             continue
