@@ -173,9 +173,13 @@ def conversions() -> dict[str, Any]:
     plain_opt = optimizer(plain)
     losses = []
     for step in range(2):
-        for call in (lambda: model.to("cpu"), model.float, model.cpu, lambda: model.to(torch.float32),
+        for call in (lambda: model.to("cpu"), lambda: model.to("cpu:0"), model.float, model.cpu,
+                     lambda: model.to(torch.float32),
                      lambda: model.to(device="cpu", dtype=torch.float32), lambda: model.type(torch.float32)):
             call()  # changes nothing: with gradients present too (the second time round)
+        # "cpu:0" is the CPU too, though torch copies a CPU tensor moved there: the parameters must
+        # still be the master's views (what a trainer's model.to(args.device) does on CPU).
+        assert all(p.data_ptr() == before[n][0] for n, p in model.named_parameters()), "cpu:0 moved a parameter"
         losses.append((_train_step(model, opt, step), _train_step(plain, plain_opt, step)))
     ours, theirs = hs.full_state_dict(model), hs.full_state_dict(plain)
     same = ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -24,9 +24,8 @@ model marked ``_is_accelerate_prepared`` untouched (its guard against wrapping t
 sees it. What ``prepare_model`` would have added besides DDP is device placement (``shard`` placed
 the model already) and autocast for ``fp16``/``bf16`` arguments, which are refused here in favour
 of ``hybridshard.MixedPrecision`` (pass it in ``shard_kwargs``). The ``Trainer``'s own
-``model.to(args.device)`` is skipped as well: on CPU ``args.device`` is ``cpu:0``, which hybridshard's
-conversion guard reads as a move to another device (see [Note: converting a sharded model] in
-:mod:`hybridshard.runtime.engine`).
+``model.to(args.device)`` changes nothing: ``args.device`` is where ``shard`` placed the model
+(``cpu:0`` is the CPU; see [Note: converting a sharded model] in :mod:`hybridshard.runtime.engine`).
 """
 
 from __future__ import annotations
@@ -94,9 +93,6 @@ class HybridShardTrainer(Trainer):
         self.sharded = shard_model(model, strategy=strategy, wrap=wrap, groups=groups, shard_kwargs=shard_kwargs or {})
         model._is_accelerate_prepared = True  # See [Note: no DDP around a sharded model]
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
-
-    def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
-        pass  # shard() placed every shard on its device; see [Note: no DDP around a sharded model]
 
     # Gradient accumulation and clipping
 

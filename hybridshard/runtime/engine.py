@@ -255,21 +255,32 @@ def _guarded_apply(module: nn.Module, names: dict[int, str]):
     ``ValueError`` naming the parameter, the dtype and device the runtime keeps and those asked
     for, and the supported way (``MixedPrecision(param_dtype=...)`` to compute in another dtype;
     converting or moving the model before ``shard``); nothing has changed then. A conversion that
-    changes nothing (``fn`` returns the tensor itself: same dtype and device) runs as before,
-    buffers included.
+    changes nothing (``fn`` returns the tensor itself, or an equal copy of the same dtype in the same
+    place, as ``.to("cpu:0")`` does on the CPU) runs as before for buffers and leaves parameters and
+    gradients as they are.
     """
     original = module._apply
 
     def _apply(fn, recurse: bool = True):
+        kept: set[int] = set()
         for rel, p in module.named_parameters(recurse=recurse):
             name = names.get(id(p), rel)
             with torch.no_grad():
                 for what, t in (("parameter", p), ("gradient of parameter", p.grad)):
                     if t is not None and (new := fn(t)) is not t:
-                        raise ValueError(_conversion_error(what, name, t, new))
-        return original(fn, recurse)
+                        if new.dtype != t.dtype or _place(new.device) != _place(t.device) or not torch.equal(new, t):
+                            raise ValueError(_conversion_error(what, name, t, new))
+                        kept.add(id(t))  # an equal copy in the same place (torch copies a CPU tensor sent to "cpu:0")
+        if not kept:
+            return original(fn, recurse)
+        return original(lambda t: t if id(t) in kept else fn(t), recurse)
 
     return _apply
+
+
+def _place(device: torch.device) -> torch.device:
+    """``device`` with the CPU's index dropped: ``cpu:0`` is the CPU."""
+    return torch.device("cpu") if device.type == "cpu" else device
 
 
 def _conversion_error(what: str, name: str, old: torch.Tensor, new: torch.Tensor) -> str:
