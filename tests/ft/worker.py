@@ -1,0 +1,92 @@
+"""One rank of a replica group in fault-tolerant mode, for tests/test_ft.py and the FT measurement.
+
+Run with the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) of its own replica
+group plus TORCHFT_LIGHTHOUSE and HYBRIDSHARD_REPLICA_ID. Trains a small model until the committed
+step count reaches --steps, one JSON line per step into --log, then checks the replicas and writes a
+digest of this rank's master shards and optimizer state into --log's ``.done`` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import hybridshard as hs
+
+
+def model_and_data(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    x = torch.randn(512, 16)
+    y = torch.randn(512, 4)
+    return model, x, y
+
+
+def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for unit in hs.runtime.engine.get_runtime(model).units:
+        h.update(unit.flat.sharded.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                h.update(value.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds of extra work per step")
+    parser.add_argument("--log", required=True)
+    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--ckpt", default=None, help="directory: resume from its latest checkpoint, save every --save-every")
+    parser.add_argument("--save-every", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    groups = hs.init_groups()
+    model, x, y = model_and_data()
+    model = hs.shard(model, strategy="hybrid_shard", groups=groups,
+                     wrap=lambda m: isinstance(m, nn.Linear))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ft = hs.ft.FaultTolerance(model, optimizer, timeout=args.timeout, quorum_timeout=3 * args.timeout)
+    if args.ckpt and (latest := hs.latest_checkpoint(args.ckpt)) is not None:
+        ft.load_checkpoint(latest)
+    log = open(args.log, "a", buffering=1)
+    started = time.perf_counter()
+    while ft.current_step < args.steps:
+        t0 = time.perf_counter()
+        ft.start_step()
+        index = torch.tensor(ft.batch_indices(args.batch, x.shape[0]))
+        loss = nn.functional.mse_loss(model(x[index]), y[index])
+        loss.backward()
+        hs.clip_grad_norm_(model, 1.0)
+        if args.sleep:
+            time.sleep(args.sleep)
+        committed = ft.step()
+        optimizer.zero_grad()
+        log.write(json.dumps({"pid": os.getpid(), "step": ft.current_step, "committed": committed,
+                              "replicas": ft.num_replicas, "loss": loss.item(), "seconds": time.perf_counter() - t0,
+                              "t": time.time()}) + "\n")
+        if args.ckpt and args.save_every and committed and ft.current_step % args.save_every == 0:
+            ft.save_checkpoint(os.path.join(args.ckpt, f"step_{ft.current_step:08d}"))
+    compared = ft.check_replicas()
+    with open(args.log + ".done", "w") as f:
+        json.dump({"digest": digest(model, optimizer), "compared": compared, "step": ft.current_step,
+                   "seconds": time.perf_counter() - started,
+                   "loss_finite": math.isfinite(loss.item())}, f)
+    ft.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
