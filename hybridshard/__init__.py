@@ -33,7 +33,7 @@ from hybridshard.state.shapes import param_groups, param_shapes
 from hybridshard.state.replicas import ReplicaDivergence, check_replicas, maybe_check_replicas
 
 # Fault-tolerant replicas on torchft (hybridshard/ft/; torchft is needed only to create the mode)
-from hybridshard import ft
+from hybridshard.ft.mode import FaultTolerance
 
 __version__ = "0.1.0"
 
@@ -63,7 +63,7 @@ __all__ = [
     "clip_grad_norm_",
     "comm_stats",
     "count_collectives",
-    "ft",
+    "FaultTolerance",
     "full_state_dict",
     "load_full_state_dict",
     "no_sync",

@@ -44,6 +44,8 @@ def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--until-replicas", type=int, default=0,
+                        help="after --steps, go on until a step commits with this many replica groups")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds of extra work per step")
     parser.add_argument("--log", required=True)
@@ -58,12 +60,13 @@ def main() -> None:
     model = hs.shard(model, strategy="hybrid_shard", groups=groups,
                      wrap=lambda m: isinstance(m, nn.Linear))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ft = hs.ft.FaultTolerance(model, optimizer, timeout=args.timeout, quorum_timeout=3 * args.timeout)
+    ft = hs.FaultTolerance(model, optimizer, timeout=args.timeout, quorum_timeout=3 * args.timeout)
     if args.ckpt and (latest := hs.latest_checkpoint(args.ckpt)) is not None:
         ft.load_checkpoint(latest)
     log = open(args.log, "a", buffering=1)
     started = time.perf_counter()
-    while ft.current_step < args.steps:
+    replicas = 0
+    while ft.current_step < args.steps or replicas < args.until_replicas:
         t0 = time.perf_counter()
         ft.start_step()
         index = torch.tensor(ft.batch_indices(args.batch, x.shape[0]))
@@ -73,6 +76,7 @@ def main() -> None:
         if args.sleep:
             time.sleep(args.sleep)
         committed = ft.step()
+        replicas = ft.num_replicas if committed else 0
         optimizer.zero_grad()
         log.write(json.dumps({"pid": os.getpid(), "step": ft.current_step, "committed": committed,
                               "replicas": ft.num_replicas, "loss": loss.item(), "seconds": time.perf_counter() - t0,

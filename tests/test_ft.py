@@ -1,0 +1,86 @@
+"""Fault-tolerant HYBRID_SHARD on torchft: a replica group killed mid-run, the others go on, it heals.
+
+Each replica group is its own job of gloo ranks on 127.0.0.1 (tests/ft/cluster.py) with its own
+simulated node name; one lighthouse runs in this process. See docs/fault-tolerance.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+torchft_lighthouse = pytest.importorskip("torchft._torchft", reason="the ft extra is part of the test extra")
+
+from tests.ft.cluster import Group, wait_for  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _lighthouse():
+    # A lost group stops heartbeating: after 1 s it is dead and a quorum forms without it.
+    return torchft_lighthouse.LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000,
+                                               heartbeat_timeout_ms=1000)
+
+
+def _done(group: Group, rank: int) -> dict:
+    with open(group.log(rank) + ".done") as f:
+        return json.load(f)
+
+
+def test_lost_replica_group_others_continue_then_it_heals(tmp_path):
+    """3 replica groups x 2 ranks; group 2 is killed at step 4 and started again.
+
+    Groups 0 and 1 never restart (one process each rank, step counter strictly increasing by one
+    per committed step, finite losses) and commit steps with 2 replicas while group 2 is gone; the
+    restarted group 2 starts at a step far beyond 0 (it healed from a live group) and every rank's
+    master shards and optimizer state end bitwise equal to the same shard rank's in every group.
+    """
+    lighthouse = _lighthouse()
+    groups = [Group(i, 2, str(tmp_path)) for i in range(3)]
+    args = ["--steps", "12", "--until-replicas", "3", "--sleep", "0.05", "--timeout", "5"]
+    try:
+        for g in groups:
+            g.start(lighthouse.address(), args)
+        wait_for(lambda: groups[2].step() >= 4, 120, "replica group 2 at step 4", groups)
+        killed_at = groups[2].step()
+        groups[2].kill()
+        survivors = groups[:2]
+        wait_for(lambda: all(sum(r["committed"] and r["replicas"] == 2 for r in g.records()) >= 3 for g in survivors),
+                 60, "3 steps committed by the 2 surviving groups", survivors)
+        resumed_from = max(g.step() for g in survivors)
+        groups[2].start(lighthouse.address(), args)
+        for g in groups:
+            codes = g.wait(120)
+            assert codes == [0, 0], g.output()
+    finally:
+        for g in groups:
+            g.kill()
+        lighthouse.shutdown()
+
+    for g in survivors:
+        for rank in range(2):
+            recs = g.records(rank)
+            assert len({r["pid"] for r in recs}) == 1, "a surviving group restarted"
+            steps = [r["step"] for r in recs if r["committed"]]
+            assert steps == list(range(steps[0], steps[0] + len(steps))), steps
+            assert all(math.isfinite(r["loss"]) for r in recs)
+            assert any(r["replicas"] == 2 and r["step"] > killed_at for r in recs if r["committed"])
+            assert any(r["replicas"] == 3 for r in recs if r["committed"])
+    second_life = [r for r in groups[2].records() if r["pid"] == groups[2].procs[0].pid]
+    assert second_life and second_life[0]["step"] >= resumed_from, (second_life[:3], resumed_from)
+    for rank in range(2):
+        done = [_done(g, rank) for g in groups]
+        assert len({d["step"] for d in done}) == 1 and done[0]["step"] > resumed_from, done
+        assert all(d["compared"] == 3 and d["loss_finite"] for d in done), done
+        assert len({d["digest"] for d in done}) == 1, f"shard rank {rank} differs across replica groups: {done}"
+
+
+def test_missing_torchft_names_the_extra(monkeypatch):
+    from hybridshard.ft.mode import import_torchft
+
+    monkeypatch.setitem(sys.modules, "torchft", None)
+    with pytest.raises(ImportError, match=r"pip install hybridshard\[ft\]"):
+        import_torchft()
