@@ -84,3 +84,63 @@ def test_missing_torchft_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)
     with pytest.raises(ImportError, match=r"pip install hybridshard\[ft\]"):
         import_torchft()
+
+
+def test_launch_restarts_a_lost_nodes_workers_alone(tmp_path):
+    """Two `hybridshard launch --fault-tolerant` agents on 127.0.0.1, one rank each. Node 1's worker is
+    killed; its agent restarts it (--max-restarts 1), node 0's worker goes on, and the new worker heals."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.ft.cluster import ROOT, WORKER
+    from tests.mp import free_port
+
+    lighthouse = _lighthouse()
+    port = free_port()
+    logs = [str(tmp_path / f"node{i}.jsonl") for i in range(2)]
+    agents = []
+
+    def records(i):
+        try:
+            with open(logs[i]) as f:
+                return [json.loads(line) for line in f if line.strip()]
+        except FileNotFoundError:
+            return []
+
+    def output():
+        return "\n".join(open(f"{log}.out", errors="replace").read()[-3000:] for log in logs)
+
+    try:
+        for i in range(2):
+            env = dict(os.environ, HYBRIDSHARD_NODE_NAME=f"node{i}", OMP_NUM_THREADS="1", RUST_LOG="error",
+                       PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            cmd = [sys.executable, "-m", "hybridshard", "launch", "--fault-tolerant", "--nnodes", "2",
+                   "--node-rank", str(i), "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "1",
+                   "--max-restarts", "1", "--lighthouse", lighthouse.address(), WORKER, "--out", logs[i],
+                   "--steps", "10", "--until-replicas", "2", "--sleep", "0.05", "--timeout", "5"]
+            agents.append(subprocess.Popen(cmd, env=env, stdout=open(f"{logs[i]}.out", "wb"),
+                                           stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + 90
+        while not (records(1) and records(1)[-1]["step"] >= 3):
+            assert time.monotonic() < deadline, "node 1 never reached step 3\n" + output()
+            assert all(a.poll() is None for a in agents), output()
+            time.sleep(0.05)
+        killed = records(1)[-1]
+        os.kill(killed["pid"], signal.SIGKILL)
+        for a in agents:
+            assert a.wait(120) == 0, output()
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+        lighthouse.shutdown()
+    assert len({r["pid"] for r in records(0)}) == 1
+    second = [r for r in records(1) if r["pid"] != killed["pid"]]
+    assert second and second[0]["step"] > killed["step"], "the restarted worker did not heal"
+    done = []
+    for log in logs:
+        with open(log + ".done") as f:
+            done.append(json.load(f))
+    assert done[0]["digest"] == done[1]["digest"] and done[0]["compared"] == 2, done

@@ -39,7 +39,7 @@ class Group:
                        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                        RUST_LOG="error")
             out = open(self.log(rank) + ".out", "ab")
-            self.procs.append(subprocess.Popen([sys.executable, WORKER, "--log", self.log(rank), *args],
+            self.procs.append(subprocess.Popen([sys.executable, WORKER, "--out", self.log(rank), *args],
                                                env=env, stdout=out, stderr=subprocess.STDOUT))
 
     def kill(self) -> None:

@@ -2,8 +2,8 @@
 
 Run with the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) of its own replica
 group plus TORCHFT_LIGHTHOUSE and HYBRIDSHARD_REPLICA_ID. Trains a small model until the committed
-step count reaches --steps, one JSON line per step into --log, then checks the replicas and writes a
-digest of this rank's master shards and optimizer state into --log's ``.done`` file.
+step count reaches --steps, one JSON line per step into --out, then checks the replicas and writes a
+digest of this rank's master shards and optimizer state into --out's ``.done`` file.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main() -> None:
                         help="after --steps, go on until a step commits with this many replica groups")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds of extra work per step")
-    parser.add_argument("--log", required=True)
+    parser.add_argument("--out", required=True)
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--ckpt", default=None, help="directory: resume from its latest checkpoint, save every --save-every")
     parser.add_argument("--save-every", type=int, default=0)
@@ -63,7 +63,7 @@ def main() -> None:
     ft = hs.FaultTolerance(model, optimizer, timeout=args.timeout, quorum_timeout=3 * args.timeout)
     if args.ckpt and (latest := hs.latest_checkpoint(args.ckpt)) is not None:
         ft.load_checkpoint(latest)
-    log = open(args.log, "a", buffering=1)
+    log = open(args.out, "a", buffering=1)
     started = time.perf_counter()
     replicas = 0
     while ft.current_step < args.steps or replicas < args.until_replicas:
@@ -84,7 +84,7 @@ def main() -> None:
         if args.ckpt and args.save_every and committed and ft.current_step % args.save_every == 0:
             ft.save_checkpoint(os.path.join(args.ckpt, f"step_{ft.current_step:08d}"))
     compared = ft.check_replicas()
-    with open(args.log + ".done", "w") as f:
+    with open(args.out + ".done", "w") as f:
         json.dump({"digest": digest(model, optimizer), "compared": compared, "step": ft.current_step,
                    "seconds": time.perf_counter() - started,
                    "loss_finite": math.isfinite(loss.item())}, f)
