@@ -20,11 +20,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hybridshard as hs
+from hybridshard.runtime.engine import get_runtime
 
 
-def model_and_data(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def model_and_data(seed: int = 0, width: int = 32) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4))
     x = torch.randn(512, 16)
     y = torch.randn(512, 4)
     return model, x, y
@@ -32,13 +33,48 @@ def model_and_data(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor
 
 def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     h = hashlib.sha256()
-    for unit in hs.runtime.engine.get_runtime(model).units:
+    for unit in get_runtime(model).units:
         h.update(unit.flat.sharded.detach().contiguous().view(torch.uint8).numpy().tobytes())
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 h.update(value.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+class PlainReplicas:
+    """The same loop without fault tolerance: one job over every node, a step always commits."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: int) -> None:
+        self.model, self.optimizer, self.batch = model, optimizer, batch
+        self.current_step = 0
+        groups = get_runtime(model).root.groups
+        self.num_replicas, self.replica_rank = groups.replicate_size, groups.replicate_rank
+
+    def start_step(self) -> None:
+        pass
+
+    def batch_indices(self, batch_size: int, dataset_size: int) -> list[int]:
+        start = (self.current_step * self.num_replicas + self.replica_rank) * batch_size
+        return [(start + i) % dataset_size for i in range(batch_size)]
+
+    def step(self) -> bool:
+        self.optimizer.step()
+        self.current_step += 1
+        return True
+
+    def check_replicas(self) -> int:
+        hs.check_replicas(self.model)
+        return self.num_replicas
+
+    def save_checkpoint(self, path: str) -> None:
+        hs.save_checkpoint(path, self.model, optimizer=self.optimizer, extra={"step": self.current_step})
+
+    def load_checkpoint(self, path: str) -> None:
+        self.current_step = hs.load_checkpoint(path, self.model, optimizer=self.optimizer)["step"]
+
+    def shutdown(self) -> None:
+        pass
 
 
 def main() -> None:
@@ -52,17 +88,24 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--ckpt", default=None, help="directory: resume from its latest checkpoint, save every --save-every")
     parser.add_argument("--save-every", type=int, default=0)
+    parser.add_argument("--plain", action="store_true",
+                        help="one job over every node, replicate group as usual (the mode FT is measured against)")
+    parser.add_argument("--width", type=int, default=32, help="hidden width of the model")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     groups = hs.init_groups()
-    model, x, y = model_and_data()
+    model, x, y = model_and_data(width=args.width)
     model = hs.shard(model, strategy="hybrid_shard", groups=groups,
                      wrap=lambda m: isinstance(m, nn.Linear))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ft = hs.FaultTolerance(model, optimizer, timeout=args.timeout, quorum_timeout=3 * args.timeout)
+    if args.plain:
+        ft = PlainReplicas(model, optimizer, args.batch)
+    else:
+        ft = hs.FaultTolerance(model, optimizer, timeout=args.timeout, quorum_timeout=3 * args.timeout)
     if args.ckpt and (latest := hs.latest_checkpoint(args.ckpt)) is not None:
         ft.load_checkpoint(latest)
+    args.out = args.out.format(rank=dist.get_rank())  # several ranks of one launcher: "log{rank}.jsonl"
     log = open(args.out, "a", buffering=1)
     started = time.perf_counter()
     replicas = 0
