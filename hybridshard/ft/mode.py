@@ -78,7 +78,9 @@ class FaultTolerance:
     with at least ``min_replicas`` live groups. ``timeout`` bounds every cross-group collective and
     the healing transfer, so a lost peer costs at most that long; ``quorum_timeout`` bounds the wait
     for a quorum. ``hostname`` is where the other groups reach this one (default: ``$MASTER_ADDR``
-    when it is not a loopback name, else this host's name).
+    when it is not a loopback name, else this host's name). After ``max_failed_steps`` steps in a
+    row that did not commit (too few live groups, or a group failing every step) :meth:`step`
+    raises a ``RuntimeError``: the job stops, to resume from its last checkpoint.
     """
 
     def __init__(
@@ -93,11 +95,12 @@ class FaultTolerance:
         quorum_timeout: float = 60.0,
         hostname: str | None = None,
         init_sync: bool = True,
+        max_failed_steps: int = 20,
     ) -> None:
         torchft = import_torchft()
         runtime = get_runtime(model)
-        if min_replicas < 1:
-            raise ValueError(f"min_replicas must be at least 1; got {min_replicas}")
+        if min_replicas < 1 or max_failed_steps < 1:
+            raise ValueError(f"min_replicas and max_failed_steps must be at least 1; got {min_replicas}, {max_failed_steps}")
         if not dist.is_initialized():
             raise RuntimeError(
                 "fault-tolerant mode expected the replica group's process group, found none; call "
@@ -145,6 +148,8 @@ class FaultTolerance:
         runtime.replicate_hook = ManagedReplicate(self.manager)
         self._started = False
         self._had_quorum = False
+        self.min_replicas, self.max_failed_steps = min_replicas, max_failed_steps
+        self._failed_steps = 0
 
     # ---- one step ----
 
@@ -164,8 +169,18 @@ class FaultTolerance:
             raise ValueError("FaultTolerance.step() before start_step(): call ft.start_step() before the forward")
         self._started = False
         if not self.manager.should_commit():
-            logger.warning("step %d did not commit (a replica group was lost?): retrying it", self.current_step)
+            self._failed_steps += 1
+            live = self.manager.num_participants()
+            if self._failed_steps >= self.max_failed_steps:
+                raise RuntimeError(
+                    f"fault-tolerant training expected at least {self.min_replicas} live replica group(s) finishing "
+                    f"each step, but {self._failed_steps} steps in a row did not commit (last quorum: {live} "
+                    "group(s)); every replica of some shard may be lost. Restart the job: it resumes from the last "
+                    "checkpoint (FaultTolerance.load_checkpoint)"
+                )
+            logger.warning("step %d did not commit (%d live replica groups): retrying it", self.current_step, live)
             return False
+        self._failed_steps = 0
         (optimizer or self.optimizer).step()
         return True
 

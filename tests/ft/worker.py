@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import socket
 import time
 
 import torch
@@ -90,6 +91,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--plain", action="store_true",
                         help="one job over every node, replicate group as usual (the mode FT is measured against)")
+    parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument("--max-failed-steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=32, help="hidden width of the model")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -102,10 +105,12 @@ def main() -> None:
     if args.plain:
         ft = PlainReplicas(model, optimizer, args.batch)
     else:
-        ft = hs.FaultTolerance(model, optimizer, timeout=args.timeout, quorum_timeout=3 * args.timeout)
+        ft = hs.FaultTolerance(model, optimizer, timeout=args.timeout, quorum_timeout=3 * args.timeout,
+                               min_replicas=args.min_replicas, max_failed_steps=args.max_failed_steps)
     if args.ckpt and (latest := hs.latest_checkpoint(args.ckpt)) is not None:
         ft.load_checkpoint(latest)
-    args.out = args.out.format(rank=dist.get_rank())  # several ranks of one launcher: "log{rank}.jsonl"
+    # Several ranks, several hosts, one directory: "{node}_rank{rank}.jsonl".
+    args.out = args.out.format(rank=dist.get_rank(), node=os.environ.get("HYBRIDSHARD_NODE_NAME", socket.gethostname()))
     log = open(args.out, "a", buffering=1)
     started = time.perf_counter()
     replicas = 0
