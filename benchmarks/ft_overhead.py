@@ -30,7 +30,8 @@ def run(mode: str, args: argparse.Namespace) -> list[float]:
     cmd = [sys.executable, os.path.join(ROOT, "launch", "local-cluster"), "--nodes", "2", "--procs-per-node", "2",
            "--inter-node-bandwidth", args.bandwidth, "--timeout", "300"]
     job = [sys.executable, WORKER, "--out", os.path.join(workdir, "{node}_rank{rank}.jsonl"), "--steps", str(args.steps),
-           "--width", str(args.width), "--batch", "32"]
+           "--width", str(args.width), "--batch", "32",
+           "--until-replicas", "2", "--full-steps", str(args.steps)]
     if mode == "ft":
         cmd += ["--launch-arg=--fault-tolerant"]
     else:

@@ -91,6 +91,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--plain", action="store_true",
                         help="one job over every node, replicate group as usual (the mode FT is measured against)")
+    parser.add_argument("--full-steps", type=int, default=0,
+                        help="instead of --steps: this many steps after the first with --until-replicas groups")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--max-failed-steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=32, help="hidden width of the model")
@@ -113,8 +115,14 @@ def main() -> None:
     args.out = args.out.format(rank=dist.get_rank(), node=os.environ.get("HYBRIDSHARD_NODE_NAME", socket.gethostname()))
     log = open(args.out, "a", buffering=1)
     started = time.perf_counter()
-    replicas = 0
-    while ft.current_step < args.steps or replicas < args.until_replicas:
+    replicas, first_full = 0, None  # first_full: the first step every group took part in (the same on all)
+
+    def go_on() -> bool:
+        if args.full_steps:
+            return first_full is None or ft.current_step < first_full + args.full_steps
+        return ft.current_step < args.steps or replicas < args.until_replicas
+
+    while go_on():
         t0 = time.perf_counter()
         ft.start_step()
         index = torch.tensor(ft.batch_indices(args.batch, x.shape[0]))
@@ -125,6 +133,8 @@ def main() -> None:
             time.sleep(args.sleep)
         committed = ft.step()
         replicas = ft.num_replicas if committed else 0
+        if first_full is None and replicas >= args.until_replicas:
+            first_full = ft.current_step
         optimizer.zero_grad()
         log.write(json.dumps({"pid": os.getpid(), "step": ft.current_step, "committed": committed,
                               "replicas": ft.num_replicas, "loss": loss.item(), "seconds": time.perf_counter() - t0,
