@@ -197,3 +197,44 @@ def test_too_few_replicas_stop_with_a_clear_error(tmp_path):
     assert "expected at least 2 live replica group(s)" in out and "3 steps in a row did not commit" in out, out
     assert "resumes from the last checkpoint" in out
     assert not any(r["committed"] for r in group.records())
+
+
+def test_fault_tolerant_launch_is_one_job_per_node():
+    from hybridshard.cli.launch import prepare
+
+    opts, command = prepare(["--fault-tolerant", "--nnodes", "3", "--node-rank", "2", "--master-addr", "n0",
+                             "--nproc-per-node", "2", "--max-restarts", "3", "train.py"])
+    argv, env = list(command.argv), dict(command.env)
+    assert argv[argv.index("--nnodes") + 1] == "1" and argv[argv.index("--rdzv-id") + 1] == "replica2"
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "127.0.0.1:0"
+    assert argv[argv.index("--max-restarts") + 1] == "3"
+    assert env["TORCHFT_LIGHTHOUSE"] == "http://n0:29510" and env["HYBRIDSHARD_REPLICA_ID"] == "replica2"
+    assert opts.lighthouse_argv is None  # node 0 starts it
+    opts, _ = prepare(["--fault-tolerant", "--nnodes", "3", "--node-rank", "0", "--master-addr", "n0",
+                       "--nproc-per-node", "2", "train.py"])
+    assert opts.lighthouse_argv[0].endswith("torchft_lighthouse") and "29510" in opts.lighthouse_argv[2]
+    _, command = prepare(["--fault-tolerant", "--lighthouse", "lh:9", "--nnodes", "2", "--node-rank", "0",
+                          "--master-addr", "n0", "--nproc-per-node", "1", "train.py"])
+    assert dict(command.env)["TORCHFT_LIGHTHOUSE"] == "http://lh:9"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lighthouse", "lh:9", "--nproc-per-node", "1", "train.py"], "add --fault-tolerant"),
+    (["--fault-tolerant", "--lighthouse", "lh", "--nproc-per-node", "1", "train.py"], "HOST:PORT"),
+    (["--fault-tolerant", "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n0:1",
+      "--nproc-per-node", "1", "train.py"], "fixed node rank"),
+])
+def test_fault_tolerant_launch_errors(argv, message):
+    from hybridshard.cli.launch import prepare
+
+    with pytest.raises(ValueError, match=message):
+        prepare(argv)
+
+
+def test_local_cluster_host_fault_is_checked():
+    from hybridshard.launcher.local_cluster import ClusterOptions, HostFault
+
+    with pytest.raises(ValueError, match="regular expression"):
+        HostFault(1, "(")
+    with pytest.raises(ValueError, match="--kill-host must be 0..1"):
+        ClusterOptions(num_nodes=2, procs_per_node=1, command=("true",), fault=HostFault(2, "x"))
