@@ -32,6 +32,8 @@ def run(mode: str, args: argparse.Namespace) -> list[float]:
     job = [sys.executable, WORKER, "--out", os.path.join(workdir, "{node}_rank{rank}.jsonl"), "--steps", str(args.steps),
            "--width", str(args.width), "--batch", "32",
            "--until-replicas", "2", "--full-steps", str(args.steps)]
+    if not args.check_steps:
+        job.append("--no-check-steps")
     if mode == "ft":
         cmd += ["--launch-arg=--fault-tolerant"]
     else:
@@ -63,6 +65,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--no-check-steps", dest="check_steps", action="store_false",
+                   help="shard(check_steps=False) in both: no step check crosses the hosts in the plain job")
     args = p.parse_args()
     steps: dict[str, list[float]] = {"plain": [], "ft": []}
     for _ in range(args.rounds):
@@ -70,7 +74,7 @@ def main() -> None:
             steps[mode] += run(mode, args)
             print(mode, f"median so far {statistics.median(steps[mode]) * 1e3:.1f} ms", flush=True)
     plain, ft = statistics.median(steps["plain"]), statistics.median(steps["ft"])
-    print(json.dumps({"bandwidth": args.bandwidth, "width": args.width, "plain_step_ms": plain * 1e3,
+    print(json.dumps({"check_steps": args.check_steps, "bandwidth": args.bandwidth, "width": args.width, "plain_step_ms": plain * 1e3,
                       "ft_step_ms": ft * 1e3, "overhead": ft / plain - 1, "steps_each": len(steps["ft"])}))
 
 

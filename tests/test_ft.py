@@ -238,3 +238,79 @@ def test_local_cluster_host_fault_is_checked():
         HostFault(1, "(")
     with pytest.raises(ValueError, match="--kill-host must be 0..1"):
         ClusterOptions(num_nodes=2, procs_per_node=1, command=("true",), fault=HostFault(2, "x"))
+
+
+@pytest.fixture
+def one_rank_model(tmp_path, monkeypatch):
+    """A one-rank job (its own store on a free port) and a small HYBRID_SHARD model in it."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    import hybridshard as hs
+    from tests.mp import free_port
+
+    port = free_port()
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                 "HYBRIDSHARD_NODE_NAME": "node0"}.items():
+        monkeypatch.setenv(k, v)
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = hs.shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), strategy="hybrid_shard",
+                         groups=hs.init_groups(), wrap=lambda m: isinstance(m, nn.Linear))
+        yield model, torch.optim.SGD(model.parameters(), lr=0.1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fault_tolerance_argument_errors(one_rank_model, monkeypatch, tmp_path):
+    import torch
+
+    import hybridshard as hs
+    from hybridshard.ft.state import load_shard_state, shard_state
+
+    model, opt = one_rank_model
+    with pytest.raises(ValueError, match="at least 1"):
+        hs.FaultTolerance(model, opt, min_replicas=0, lighthouse="http://x:1", replica_id="r")
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ValueError, match=r"the lighthouse's address.*TORCHFT_LIGHTHOUSE.*--fault-tolerant"):
+        hs.FaultTolerance(model, opt, replica_id="r")
+    monkeypatch.delenv("HYBRIDSHARD_REPLICA_ID", raising=False)
+    with pytest.raises(ValueError, match="HYBRIDSHARD_REPLICA_ID"):
+        hs.FaultTolerance(model, opt, lighthouse="http://x:1")
+    import torch.nn as nn
+
+    compressed = hs.shard(nn.Linear(4, 2), strategy="hybrid_shard", groups=hs.init_groups(),
+                          replicate_compression="bf16")
+    with pytest.raises(ValueError, match="replicate_compression='bf16'"):
+        hs.FaultTolerance(compressed, opt, lighthouse="http://x:1", replica_id="r")
+    state = shard_state(model, opt)
+    state["units"] = state["units"][:1]
+    with pytest.raises(ValueError, match="do not match this rank's"):
+        load_shard_state(model, opt, state)
+
+    lighthouse = _lighthouse()
+    ft = hs.FaultTolerance(model, opt, lighthouse=lighthouse.address(), replica_id="r0", timeout=5)
+    try:
+        with pytest.raises(ValueError, match="already runs in fault-tolerant mode"):
+            hs.FaultTolerance(model, opt, lighthouse=lighthouse.address(), replica_id="r1")
+        with pytest.raises(ValueError, match="before start_step"):
+            ft.step()
+        with pytest.raises(ValueError, match="after the first start_step"):
+            ft.check_replicas()
+        # One step alone: it commits, counts the managed all-reduce, and the replica check compares 1 group.
+        ft.start_step()
+        model(torch.randn(3, 4)).sum().backward()
+        assert ft.step() and ft.current_step == 1 and ft.num_replicas == 1
+        assert hs.comm_stats(model)["groups"]["replicate"]["all_reduce"]["calls"] == 2
+        assert ft.check_replicas() == 1
+        hs.save_checkpoint(str(tmp_path / "plain"), model, optimizer=opt)
+        with pytest.raises(ValueError, match="not saved by FaultTolerance.save_checkpoint"):
+            ft.load_checkpoint(str(tmp_path / "plain"))
+        assert ft.save_checkpoint(str(tmp_path / "ft"))
+        assert ft.load_checkpoint(str(tmp_path / "ft")) is None and ft.current_step == 1
+    finally:
+        ft.shutdown()
+        lighthouse.shutdown()

@@ -93,6 +93,7 @@ def main() -> None:
                         help="one job over every node, replicate group as usual (the mode FT is measured against)")
     parser.add_argument("--full-steps", type=int, default=0,
                         help="instead of --steps: this many steps after the first with --until-replicas groups")
+    parser.add_argument("--no-check-steps", action="store_true", help="shard(check_steps=False)")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--max-failed-steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=32, help="hidden width of the model")
@@ -101,7 +102,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     groups = hs.init_groups()
     model, x, y = model_and_data(width=args.width)
-    model = hs.shard(model, strategy="hybrid_shard", groups=groups,
+    model = hs.shard(model, strategy="hybrid_shard", groups=groups, check_steps=not args.no_check_steps,
                      wrap=lambda m: isinstance(m, nn.Linear))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if args.plain:
@@ -136,9 +137,12 @@ def main() -> None:
         if first_full is None and replicas >= args.until_replicas:
             first_full = ft.current_step
         optimizer.zero_grad()
-        log.write(json.dumps({"pid": os.getpid(), "step": ft.current_step, "committed": committed,
-                              "replicas": ft.num_replicas, "loss": loss.item(), "seconds": time.perf_counter() - t0,
-                              "t": time.time()}) + "\n")
+        record = json.dumps({"pid": os.getpid(), "step": ft.current_step, "committed": committed,
+                             "replicas": ft.num_replicas, "loss": loss.item(), "seconds": time.perf_counter() - t0,
+                             "t": time.time()})
+        log.write(record + "\n")
+        if dist.get_rank() == 0:
+            print(record, flush=True)  # what `local-cluster --kill-when` watches
         if args.ckpt and args.save_every and committed and ft.current_step % args.save_every == 0:
             ft.save_checkpoint(os.path.join(args.ckpt, f"step_{ft.current_step:08d}"))
     compared = ft.check_replicas()
