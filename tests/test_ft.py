@@ -314,3 +314,15 @@ def test_fault_tolerance_argument_errors(one_rank_model, monkeypatch, tmp_path):
     finally:
         ft.shutdown()
         lighthouse.shutdown()
+
+
+def test_planner_notes_fault_tolerance_for_hybrid_with_replicas():
+    from hybridshard.planning.sizing import ClusterSpec, ModelSpec, estimate
+    from hybridshard.runtime.strategy import ShardingStrategy as S
+
+    model = ModelSpec(num_params=2000, unit_params=1000)
+    two_nodes = ClusterSpec(node_sizes=(4, 4), gpu_memory_bytes=10**6)
+    hybrid = estimate(S.HYBRID_SHARD, 4, model=model, cluster=two_nodes)
+    assert any("FaultTolerance" in n for n in hybrid.notes)
+    one_node = estimate(S.HYBRID_SHARD, 4, model=model, cluster=ClusterSpec(node_sizes=(4,), gpu_memory_bytes=10**6))
+    assert not any("FaultTolerance" in n for n in one_node.notes)
