@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 from hybridshard.launcher.netns import IFNAME, LocalNetwork, Shaping, check_rights, remove_leftovers
 
@@ -125,13 +125,15 @@ def launch_argv(opts: ClusterOptions, node_rank: int, rdzv_host: str, python: st
 class _Supervisor:
     """Starts one process per host, streams their output, and stops them all."""
 
-    def __init__(self, out: IO[str], fault: HostFault | None = None) -> None:
+    def __init__(self, out: IO[str], fault: HostFault | None = None,
+                 kill_host: Callable[[str], None] | None = None) -> None:
         self.out = out
         self.lock = threading.Lock()
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.threads: list[threading.Thread] = []
         self.state = RunState.STARTING
         self.fault = fault
+        self._kill_host = kill_host
         self._fault_name = f"host{fault.host}" if fault is not None else None
         self._fault_seen = threading.Event()
         self._started: dict[str, tuple[list[str], dict[str, str]]] = {}
@@ -167,6 +169,8 @@ class _Supervisor:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            if self._kill_host is not None:
+                self._kill_host(name)
             proc.wait()
             state["killed"] = now
             self.say(f"killed {name} (every process of it)" + (
@@ -250,7 +254,7 @@ def run_cluster(opts: ClusterOptions, out: IO[str] = sys.stdout) -> int:
         return RIGHTS_EXIT
     remove_leftovers()
     net = LocalNetwork(opts.num_nodes, opts.shaping)
-    sup = _Supervisor(out, opts.fault)
+    sup = _Supervisor(out, opts.fault, kill_host=lambda name: net.kill_host(next(h for h in net.hosts if h.name == name)))
     previous = {}
 
     def interrupt(signum: int, _frame: object) -> None:
