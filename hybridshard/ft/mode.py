@@ -190,6 +190,11 @@ class FaultTolerance:
         return self.manager.current_step()
 
     @property
+    def batches_committed(self) -> int:
+        """Per-group batches in the committed steps (each step adds its live groups); healed along."""
+        return self.manager.batches_committed()
+
+    @property
     def num_replicas(self) -> int:
         """Replica groups in this step's quorum that are not healing: the gradient is their mean."""
         return self.manager.num_participants()
@@ -210,7 +215,7 @@ class FaultTolerance:
         if batch_size < 1 or dataset_size < 1:
             raise ValueError(f"batch_size and dataset_size must be positive; got {batch_size}, {dataset_size}")
         rank = self.replica_rank or 0
-        start = (self.manager.batches_committed() + rank) * batch_size
+        start = (self.batches_committed + rank) * batch_size
         return [(start + i) % dataset_size for i in range(batch_size)]
 
     # ---- between steps ----

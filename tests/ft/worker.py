@@ -48,7 +48,7 @@ class PlainReplicas:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: int) -> None:
         self.model, self.optimizer, self.batch = model, optimizer, batch
-        self.current_step = 0
+        self.current_step = self.batches_committed = 0
         groups = get_runtime(model).root.groups
         self.num_replicas, self.replica_rank = groups.replicate_size, groups.replicate_rank
 
@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--full-steps", type=int, default=0,
                         help="instead of --steps: this many steps after the first with --until-replicas groups")
     parser.add_argument("--no-check-steps", action="store_true", help="shard(check_steps=False)")
+    parser.add_argument("--batches", type=int, default=0,
+                        help="also go on until this many batches were committed (a count every group shares)")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--max-failed-steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=32, help="hidden width of the model")
@@ -121,7 +123,8 @@ def main() -> None:
     def go_on() -> bool:
         if args.full_steps:
             return first_full is None or ft.current_step < first_full + args.full_steps
-        return ft.current_step < args.steps or replicas < args.until_replicas
+        more = args.batches and ft.batches_committed < args.batches
+        return ft.current_step < args.steps or replicas < args.until_replicas or more
 
     while go_on():
         t0 = time.perf_counter()
