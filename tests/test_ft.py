@@ -367,3 +367,16 @@ def test_planner_notes_fault_tolerance_for_hybrid_with_replicas():
     assert any("FaultTolerance" in n for n in hybrid.notes)
     one_node = estimate(S.HYBRID_SHARD, 4, model=model, cluster=ClusterSpec(node_sizes=(4,), gpu_memory_bytes=10**6))
     assert not any("FaultTolerance" in n for n in one_node.notes)
+
+
+def test_fault_tolerant_launch_without_torchft_names_the_extra(monkeypatch, capsys):
+    import argparse
+
+    from hybridshard.cli import launch
+    from hybridshard.launcher import ft
+
+    monkeypatch.setattr(ft.shutil, "which", lambda *a, **k: None)
+    argv = ["--fault-tolerant", "--nnodes", "2", "--node-rank", "0", "--master-addr", "n0", "--nproc-per-node", "1",
+            "--dry-run", "train.py"]
+    assert launch.run(argparse.Namespace(argv=argv, extra=[])) == 2
+    assert "pip install hybridshard[ft]" in capsys.readouterr().err

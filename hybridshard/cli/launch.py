@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         return 0 if argv else 2
     try:
         opts, command = prepare(argv)
-    except ValueError as exc:
+    except (ValueError, ImportError) as exc:  # ImportError: --fault-tolerant without torchft installed
         print(f"hybridshard launch: error: {exc}", file=sys.stderr)
         return 2
     if opts.dry_run:
