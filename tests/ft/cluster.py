@@ -51,9 +51,10 @@ class Group:
     def records(self, rank: int = 0) -> list[dict]:
         try:
             with open(self.log(rank)) as f:
-                return [json.loads(line) for line in f if line.strip()]
+                lines = f.read().split("\n")
         except FileNotFoundError:
             return []
+        return [json.loads(line) for line in lines[:-1] if line.strip()]  # the last one may be half-written
 
     def step(self) -> int:
         recs = self.records()

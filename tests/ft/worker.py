@@ -94,8 +94,9 @@ def main() -> None:
     parser.add_argument("--full-steps", type=int, default=0,
                         help="instead of --steps: this many steps after the first with --until-replicas groups")
     parser.add_argument("--no-check-steps", action="store_true", help="shard(check_steps=False)")
-    parser.add_argument("--batches", type=int, default=0,
-                        help="also go on until this many batches were committed (a count every group shares)")
+    parser.add_argument("--stop-file", default=None,
+                        help="go on until this file names a step, then stop at the first step from it that "
+                             "commits with --until-replicas groups (tests write it once every group is back)")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--max-failed-steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=32, help="hidden width of the model")
@@ -123,8 +124,14 @@ def main() -> None:
     def go_on() -> bool:
         if args.full_steps:
             return first_full is None or ft.current_step < first_full + args.full_steps
-        more = args.batches and ft.batches_committed < args.batches
-        return ft.current_step < args.steps or replicas < args.until_replicas or more
+        if args.stop_file:
+            try:
+                with open(args.stop_file) as f:
+                    target = int(f.read())
+            except (FileNotFoundError, ValueError):  # not there yet, or being written
+                return True
+            return ft.current_step < target or replicas < args.until_replicas
+        return ft.current_step < args.steps or replicas < args.until_replicas
 
     while go_on():
         t0 = time.perf_counter()
