@@ -33,6 +33,9 @@ from hybridshard.state.pretrained_save import save_pretrained
 from hybridshard.state.shapes import param_groups, param_shapes
 from hybridshard.state.replicas import ReplicaDivergence, check_replicas, maybe_check_replicas
 
+# Fault-tolerant replicas on torchft (hybridshard/ft/; torchft is needed only to create the mode)
+from hybridshard.ft.mode import FaultTolerance
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -61,6 +64,7 @@ __all__ = [
     "clip_grad_norm_",
     "comm_stats",
     "count_collectives",
+    "FaultTolerance",
     "full_state_dict",
     "gather_updated_params",
     "load_full_state_dict",

@@ -9,13 +9,16 @@ program starts at the first argument that is not an option (or after ``--``); it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from hybridshard.launcher.ft import fault_tolerant
 from hybridshard.launcher.command import LaunchCommand, build_command, make_entry, run_command
 from hybridshard.launcher.numa import compute_binding
 from hybridshard.launcher.settings import LaunchOptions, resolve_settings
@@ -23,8 +26,8 @@ from hybridshard.launcher.settings import LaunchOptions, resolve_settings
 logger = logging.getLogger(__name__)
 
 _VALUE_OPTIONS = ("--nnodes", "--node-rank", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint",
-                  "--rdzv-id", "--master-addr", "--master-port", "--max-restarts")
-_FLAG_OPTIONS = ("--bind-numa", "--dry-run", "-h", "--help")
+                  "--rdzv-id", "--master-addr", "--master-port", "--max-restarts", "--lighthouse")
+_FLAG_OPTIONS = ("--bind-numa", "--dry-run", "--fault-tolerant", "-h", "--help")
 _ENTRY_FLAGS = {"-m": "module", "--module": "module", "--no-python": "no_python", "--no_python": "no_python"}
 _REJECTED = {"--standalone": "give no rendezvous options for a one-node job (a free local port is used)"}
 
@@ -45,6 +48,10 @@ def _our_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int,
                    help="restart every worker of every node up to N times when one fails (torchrun's; "
                         "uses the c10d rendezvous and a new store per attempt, see docs/checkpointing.md)")
+    p.add_argument("--fault-tolerant", action="store_true",
+                   help="each node its own job (a replica group of hybridshard.FaultTolerance), restarted alone; "
+                        "see docs/fault-tolerance.md")
+    p.add_argument("--lighthouse", help="HOST:PORT of torchft's lighthouse (default: node 0 starts one)")
     p.add_argument("--bind-numa", action="store_true", help="pin each local rank to the CPUs of its GPU's NUMA node")
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
     return p
@@ -146,14 +153,26 @@ def prepare(argv: Sequence[str], env=None, *, probe: Callable | None = None) -> 
         rdzv_backend=opts.rdzv_backend, rdzv_endpoint=opts.rdzv_endpoint, rdzv_id=opts.rdzv_id,
         master_addr=opts.master_addr, master_port=opts.master_port, max_restarts=opts.max_restarts,
     )
+    if opts.fault_tolerant:  # nodes meet only at the lighthouse; restarts are each node's own
+        options = dataclasses.replace(options, rdzv_backend=options.rdzv_backend or "static", max_restarts=None)
     settings = resolve_settings(options, env, count_gpus=lambda: len(node_and_gpus()[1]))
+    ft = None
+    if opts.fault_tolerant:
+        ft = fault_tolerant(settings, opts.lighthouse, max_restarts=opts.max_restarts)
+        settings = ft.settings
+    elif opts.lighthouse is not None:
+        raise ValueError("--lighthouse is the lighthouse of --fault-tolerant; add --fault-tolerant or drop it")
+    opts.lighthouse_argv = ft.lighthouse_argv if ft is not None else None
     binding = None
     if opts.bind_numa:
         if settings.nproc_int is None:
             raise ValueError(f"--bind-numa needs a numeric --nproc-per-node, found {settings.nproc_per_node!r}")
         node, visible = node_and_gpus()
         binding = compute_binding(node, visible, settings.nproc_int, allowed_cpus=os.sched_getaffinity(0))
-    return opts, build_command(settings, entry, passthrough=split.passthrough, binding=binding)
+    command = build_command(settings, entry, passthrough=split.passthrough, binding=binding)
+    if ft is not None:
+        command = dataclasses.replace(command, env=command.env + ft.env)
+    return opts, command
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,13 +187,22 @@ def run(args: argparse.Namespace) -> int:
         return 0 if argv else 2
     try:
         opts, command = prepare(argv)
-    except ValueError as exc:
+    except (ValueError, ImportError) as exc:  # ImportError: --fault-tolerant without torchft installed
         print(f"hybridshard launch: error: {exc}", file=sys.stderr)
         return 2
     if opts.dry_run:
+        if opts.lighthouse_argv is not None:
+            print("# lighthouse started by this launcher: " + " ".join(opts.lighthouse_argv))
         print(command.render(os.environ))
         return 0
-    return run_command(command)
+    if opts.lighthouse_argv is None:
+        return run_command(command)
+    lighthouse = subprocess.Popen(list(opts.lighthouse_argv))
+    try:
+        return run_command(command)
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait()
 
 
 def add_parser(subparsers) -> None:

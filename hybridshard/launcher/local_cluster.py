@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,13 +22,13 @@ import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 from hybridshard.launcher.netns import IFNAME, LocalNetwork, Shaping, check_rights, remove_leftovers
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["main", "ClusterOptions", "RunState"]
+__all__ = ["main", "ClusterOptions", "HostFault", "RunState"]
 
 RIGHTS_EXIT = 3
 TIMEOUT_EXIT = 124
@@ -51,6 +52,7 @@ class ClusterOptions:
     port: int = 29500
     launch_args: tuple[str, ...] = ()
     """Extra ``hybridshard launch`` options given to every host (e.g. ``--max-restarts 0``)."""
+    fault: HostFault | None = None
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1:
@@ -61,6 +63,27 @@ class ClusterOptions:
             raise ValueError("no command given; put it after `--`, e.g. -- python -m hybridshard topo --cluster")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"--timeout must be > 0 seconds, found {self.timeout_s}")
+        if self.fault is not None and not 0 <= self.fault.host < self.num_nodes:
+            raise ValueError(f"--kill-host must be 0..{self.num_nodes - 1}, found {self.fault.host}")
+
+
+@dataclass(frozen=True)
+class HostFault:
+    """Kill one host (its launcher, agent and workers: the whole process group) when a line of its
+    output matches ``when``, and start it again ``restart_after`` seconds later (``None``: never).
+    The host's exit is then no failure of the job. For fault-tolerant jobs (docs/fault-tolerance.md)."""
+
+    host: int
+    when: str
+    restart_after: float | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.when)
+        except re.error as exc:
+            raise ValueError(f"--kill-when must be a regular expression, found {self.when!r}: {exc}") from None
+        if self.restart_after is not None and self.restart_after < 0:
+            raise ValueError(f"--restart-after must be >= 0 seconds, found {self.restart_after}")
 
 
 class RunState(str, Enum):
@@ -102,28 +125,61 @@ def launch_argv(opts: ClusterOptions, node_rank: int, rdzv_host: str, python: st
 class _Supervisor:
     """Starts one process per host, streams their output, and stops them all."""
 
-    def __init__(self, out: IO[str]) -> None:
+    def __init__(self, out: IO[str], fault: HostFault | None = None,
+                 kill_host: Callable[[str], None] | None = None) -> None:
         self.out = out
         self.lock = threading.Lock()
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.threads: list[threading.Thread] = []
         self.state = RunState.STARTING
+        self.fault = fault
+        self._kill_host = kill_host
+        self._fault_name = f"host{fault.host}" if fault is not None else None
+        self._fault_seen = threading.Event()
+        self._started: dict[str, tuple[list[str], dict[str, str]]] = {}
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        self.procs.append((name, proc))
+        self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
+        self._started[name] = (argv, env)
         t = threading.Thread(target=self._pump, args=(name, proc), daemon=True)
         t.start()
         self.threads.append(t)
 
     def _pump(self, name: str, proc: subprocess.Popen) -> None:
         assert proc.stdout is not None
+        watch = self.fault is not None and name == self._fault_name
         for raw in iter(proc.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
+            if watch and not self._fault_seen.is_set() and re.search(self.fault.when, line):
+                self._fault_seen.set()
             with self.lock:
                 self.out.write(f"[{name}] {line}\n")
                 self.out.flush()
+
+    def _inject_fault(self, state: dict) -> None:
+        """Kill the fault's host once its output matched, start it again when due; see :class:`HostFault`."""
+        if not self._fault_seen.is_set():
+            return
+        name, now = self._fault_name, time.monotonic()
+        if "killed" not in state:
+            proc = dict(self.procs)[name]
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if self._kill_host is not None:
+                self._kill_host(name)
+            proc.wait()
+            state["killed"] = now
+            self.say(f"killed {name} (every process of it)" + (
+                f"; starting it again in {self.fault.restart_after:g}s" if self.fault.restart_after is not None else ""))
+        elif (self.fault.restart_after is not None and "restarted" not in state
+              and now >= state["killed"] + self.fault.restart_after):
+            state["restarted"] = now
+            self.say(f"starting {name} again")
+            self.start(name, *self._started[name])
 
     def say(self, text: str) -> None:
         with self.lock:
@@ -136,8 +192,12 @@ class _Supervisor:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         first_failure: tuple[str, int] | None = None
         peers_deadline = None
+        fault_state: dict = {}
         while True:
+            self._inject_fault(fault_state)
             codes = [(name, p.poll()) for name, p in self.procs]
+            if "killed" in fault_state and "restarted" not in fault_state:
+                codes = [(n, rc) for n, rc in codes if n != self._fault_name]  # killed on purpose
             for name, rc in codes:
                 if rc not in (None, 0) and first_failure is None:
                     first_failure = (name, rc)
@@ -194,7 +254,7 @@ def run_cluster(opts: ClusterOptions, out: IO[str] = sys.stdout) -> int:
         return RIGHTS_EXIT
     remove_leftovers()
     net = LocalNetwork(opts.num_nodes, opts.shaping)
-    sup = _Supervisor(out)
+    sup = _Supervisor(out, opts.fault, kill_host=lambda name: net.kill_host(next(h for h in net.hosts if h.name == name)))
     previous = {}
 
     def interrupt(signum: int, _frame: object) -> None:
@@ -246,6 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=29500, help="rendezvous port on host0 (default 29500)")
     p.add_argument("--launch-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every host's `hybridshard launch` (repeatable)")
+    p.add_argument("--kill-host", type=int, metavar="K",
+                   help="SIGKILL every process of hostK once a line of its output matches --kill-when")
+    p.add_argument("--kill-when", metavar="REGEX", default=".", help="(with --kill-host) the line to wait for")
+    p.add_argument("--restart-after", type=float, metavar="SECONDS",
+                   help="(with --kill-host) start the killed host again after this long")
     p.add_argument("--check", action="store_true",
                    help="only say whether this machine allows the namespaces (exit 0) or not (exit 3)")
     p.add_argument("-v", "--verbose", action="count", default=0)
@@ -272,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_nodes=args.nodes, procs_per_node=args.procs_per_node, command=tuple(command),
             shaping=Shaping(rate=args.inter_node_bandwidth, latency=args.latency),
             timeout_s=args.timeout, port=args.port, launch_args=tuple(args.launch_arg),
+            fault=None if args.kill_host is None else HostFault(args.kill_host, args.kill_when, args.restart_after),
         )
     except ValueError as exc:
         print(f"local-cluster: error: {exc}", file=sys.stderr)

@@ -159,6 +159,11 @@ class LocalNetwork:
         return ["ip", "netns", "exec", host.netns, "unshare", "--uts", "--",
                 python, "-c", _SET_HOSTNAME, host.name, *argv]
 
+    def kill_host(self, host: HostSpec) -> None:
+        """SIGKILL every process in ``host``'s namespace: its launcher, agent and workers (torchrun
+        puts workers in sessions of their own, so a process group does not cover them)."""
+        _kill_namespace_pids(host.netns)
+
     def teardown(self) -> list[str]:
         """Remove everything of this run (idempotent); return the problems met, also logged."""
         if self.state is NetState.TORN_DOWN:

@@ -335,6 +335,9 @@ def estimate(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, c
         notes.append(f"{spans}: its gathers and reduce-scatters run at inter-node speed")
     if strategy.is_hybrid and s < min(cluster.node_sizes):
         notes.append(f"{min(cluster.node_sizes) // s} shard groups per node: the replicate ring also has NVLink edges")
+    if strategy.is_hybrid and r > 1:
+        notes.append(f"{r} replicas: with hybridshard.FaultTolerance a lost replica group costs a heartbeat, "
+                     "not a restart (docs/fault-tolerance.md)")
     return Estimate(
         strategy=strategy,
         shard_size=s,

@@ -96,6 +96,9 @@ class Runtime:
         (CUDA); see :mod:`hybridshard.runtime.executor`."""
         self.compressor = compressor
         """A :class:`~hybridshard.runtime.compression.ReplicateCompressor` for hybrid units, or ``None``."""
+        self.replicate_hook: Any = None
+        """Fault-tolerant mode: reduces hybrid units' shards across replica groups in place of the
+        replicate group (``all_reduce(shard, stats=, async_op=)``); see :mod:`hybridshard.ft`."""
         self.stats = CollectiveCounts()
         """What the units' collectives moved; read by :func:`hybridshard.comm_stats`."""
         self.steps = 0

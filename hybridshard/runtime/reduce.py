@@ -159,6 +159,9 @@ class GradReduction:
     def _replicate(self, shard: torch.Tensor, async_op: bool = False) -> C.Pending | None:
         """All-reduce a scaled gradient shard across the replicate group (compressed if asked)."""
         unit, runtime = self.unit, self.runtime
+        if runtime.replicate_hook is not None and unit.strategy.is_hybrid:
+            # Fault-tolerant mode: the replicas are separate jobs; see hybridshard/ft/replicate.py.
+            return runtime.replicate_hook.all_reduce(shard, stats=runtime.stats, async_op=async_op)
         if unit.groups.replicate_size == 1:
             return None
         compressor = runtime.compressor

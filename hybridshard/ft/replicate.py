@@ -1,0 +1,69 @@
+"""The replicate reduction of fault-tolerant mode: each gradient shard averaged over the live replicas.
+
+[Note: managed replicate all-reduce]
+In fault-tolerant mode every replica group is its own torch.distributed job, so the runtime sees a
+replicate group of one rank: its reduce-scatter divides by the shard-group size only. The shard
+then goes to torchft's ``Manager.allreduce``, which sums it over the replica groups of the current
+quorum (shard rank ``j`` of every group, one communicator per shard rank) and divides by the
+number of participants. The result is the mean over the *live* replicas, which is the gradient of
+the effective batch (see docs/fault-tolerance.md). A replica that is still healing takes part
+with zeros and is not counted. A peer lost mid-collective does not raise here: the manager records
+the error and ``should_commit`` answers False on every replica of the step, so the optimizer does
+not step on a corrupt gradient and the next quorum leaves the lost peer out.
+
+The all-reduce is issued from whichever thread reduces the replicate shards (the communication
+thread with ``overlap_grads``, else the hooks' thread), in unit order, like the plain replicate
+group's: one issue order per communicator (see [Note: one issue order per communicator]).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from hybridshard.runtime.counters import CollectiveCounts, record
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GROUP_NAME", "ManagedReplicate"]
+
+GROUP_NAME = "replicate"
+"""The group name the managed all-reduce is counted under in :func:`hybridshard.comm_stats`."""
+
+
+class _ManagedPending:
+    """A managed all-reduce in flight; ``wait`` leaves the averaged shard in place (or, after a
+    peer failure, whatever the manager left there: ``should_commit`` then answers False)."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def is_completed(self) -> bool:
+        return self._work is None
+
+    def wait(self) -> None:
+        if self._work is not None:
+            work, self._work = self._work, None
+            if work.wait() is False:
+                logger.warning("a replicate all-reduce failed; this step will not commit")
+
+
+class ManagedReplicate:
+    """The runtime's ``replicate_hook`` in fault-tolerant mode; see [Note: managed replicate all-reduce]."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+
+    def all_reduce(self, shard: torch.Tensor, *, stats: CollectiveCounts | None = None,
+                   async_op: bool = False) -> _ManagedPending | None:
+        work = self.manager.allreduce(shard)  # waits for the step's quorum first
+        record("all_reduce", GROUP_NAME, self.manager.num_participants(), shard, stats)
+        pending = _ManagedPending(work)
+        if async_op:
+            return pending
+        pending.wait()
+        return None

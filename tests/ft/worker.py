@@ -1,0 +1,168 @@
+"""One rank of a replica group in fault-tolerant mode, for tests/test_ft.py and the FT measurement.
+
+Run with the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) of its own replica
+group plus TORCHFT_LIGHTHOUSE and HYBRIDSHARD_REPLICA_ID. Trains a small model until the committed
+step count reaches --steps, one JSON line per step into --out, then checks the replicas and writes a
+digest of this rank's master shards and optimizer state into --out's ``.done`` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import hybridshard as hs
+from hybridshard.runtime.engine import get_runtime
+
+
+def model_and_data(seed: int = 0, width: int = 32) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4))
+    x = torch.randn(512, 16)
+    y = torch.randn(512, 4)
+    return model, x, y
+
+
+def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for unit in get_runtime(model).units:
+        h.update(unit.flat.sharded.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                h.update(value.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class PlainReplicas:
+    """The same loop without fault tolerance: one job over every node, a step always commits."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: int) -> None:
+        self.model, self.optimizer, self.batch = model, optimizer, batch
+        self.current_step = self.batches_committed = 0
+        groups = get_runtime(model).root.groups
+        self.num_replicas, self.replica_rank = groups.replicate_size, groups.replicate_rank
+
+    def start_step(self) -> None:
+        pass
+
+    def batch_indices(self, batch_size: int, dataset_size: int) -> list[int]:
+        start = (self.current_step * self.num_replicas + self.replica_rank) * batch_size
+        return [(start + i) % dataset_size for i in range(batch_size)]
+
+    def step(self) -> bool:
+        self.optimizer.step()
+        self.current_step += 1
+        return True
+
+    def check_replicas(self) -> int:
+        hs.check_replicas(self.model)
+        return self.num_replicas
+
+    def save_checkpoint(self, path: str) -> None:
+        hs.save_checkpoint(path, self.model, optimizer=self.optimizer, extra={"step": self.current_step})
+
+    def load_checkpoint(self, path: str) -> None:
+        self.current_step = hs.load_checkpoint(path, self.model, optimizer=self.optimizer)["step"]
+
+    def shutdown(self) -> None:
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--until-replicas", type=int, default=0,
+                        help="after --steps, go on until a step commits with this many replica groups")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds of extra work per step")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--ckpt", default=None, help="directory: resume from its latest checkpoint, save every --save-every")
+    parser.add_argument("--save-every", type=int, default=0)
+    parser.add_argument("--plain", action="store_true",
+                        help="one job over every node, replicate group as usual (the mode FT is measured against)")
+    parser.add_argument("--full-steps", type=int, default=0,
+                        help="instead of --steps: this many steps after the first with --until-replicas groups")
+    parser.add_argument("--no-check-steps", action="store_true", help="shard(check_steps=False)")
+    parser.add_argument("--stop-file", default=None,
+                        help="go on until this file names a step, then stop at the first step from it that "
+                             "commits with --until-replicas groups (tests write it once every group is back)")
+    parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument("--max-failed-steps", type=int, default=20)
+    parser.add_argument("--width", type=int, default=32, help="hidden width of the model")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    groups = hs.init_groups()
+    model, x, y = model_and_data(width=args.width)
+    model = hs.shard(model, strategy="hybrid_shard", groups=groups, check_steps=not args.no_check_steps,
+                     wrap=lambda m: isinstance(m, nn.Linear))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if args.plain:
+        ft = PlainReplicas(model, optimizer, args.batch)
+    else:
+        ft = hs.FaultTolerance(model, optimizer, timeout=args.timeout, quorum_timeout=3 * args.timeout,
+                               min_replicas=args.min_replicas, max_failed_steps=args.max_failed_steps)
+    if args.ckpt and (latest := hs.latest_checkpoint(args.ckpt)) is not None:
+        ft.load_checkpoint(latest)
+    # Several ranks, several hosts, one directory: "{node}_rank{rank}.jsonl".
+    args.out = args.out.format(rank=dist.get_rank(), node=os.environ.get("HYBRIDSHARD_NODE_NAME", socket.gethostname()))
+    log = open(args.out, "a", buffering=1)
+    started = time.perf_counter()
+    replicas, first_full = 0, None  # first_full: the first step every group took part in (the same on all)
+
+    def go_on() -> bool:
+        if args.full_steps:
+            return first_full is None or ft.current_step < first_full + args.full_steps
+        if args.stop_file:
+            try:
+                with open(args.stop_file) as f:
+                    target = int(f.read())
+            except (FileNotFoundError, ValueError):  # not there yet, or being written
+                return True
+            return ft.current_step < target or replicas < args.until_replicas
+        return ft.current_step < args.steps or replicas < args.until_replicas
+
+    while go_on():
+        t0 = time.perf_counter()
+        ft.start_step()
+        index = torch.tensor(ft.batch_indices(args.batch, x.shape[0]))
+        loss = nn.functional.mse_loss(model(x[index]), y[index])
+        loss.backward()
+        hs.clip_grad_norm_(model, 1.0)
+        if args.sleep:
+            time.sleep(args.sleep)
+        committed = ft.step()
+        replicas = ft.num_replicas if committed else 0
+        if first_full is None and replicas >= args.until_replicas:
+            first_full = ft.current_step
+        optimizer.zero_grad()
+        record = json.dumps({"pid": os.getpid(), "step": ft.current_step, "committed": committed,
+                             "replicas": ft.num_replicas, "loss": loss.item(), "seconds": time.perf_counter() - t0,
+                             "t": time.time()})
+        log.write(record + "\n")
+        if dist.get_rank() == 0:
+            print(record, flush=True)  # what `local-cluster --kill-when` watches
+        if args.ckpt and args.save_every and committed and ft.current_step % args.save_every == 0:
+            ft.save_checkpoint(os.path.join(args.ckpt, f"step_{ft.current_step:08d}"))
+    compared = ft.check_replicas()
+    with open(args.out + ".done", "w") as f:
+        json.dump({"digest": digest(model, optimizer), "compared": compared, "step": ft.current_step,
+                   "seconds": time.perf_counter() - started,
+                   "loss_finite": math.isfinite(loss.item())}, f)
+    ft.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
