@@ -74,6 +74,9 @@ def compare_with_native() -> dict:
                 later = torch.full_like(native, 7)
                 handle = C.reduce_scatter(later, full, group, async_op=True)
                 handle.wait()
+                # consume=True: a middle rank moves the chunks of its (own) input instead of sending its own chunk
+                spent, consumed = full.clone(), torch.empty_like(native)
+                C.reduce_scatter(consumed, spent, group, consume=True)
                 scale = full.abs().float().view(n, -1)[dist.get_rank(group)]
                 gathered = torch.empty(n * scale.numel())
                 C._ALL_GATHER(gathered, scale.contiguous(), group=group)
@@ -85,6 +88,7 @@ def compare_with_native() -> dict:
                     "close": torch.allclose(mine.float(), native.float(), rtol=1e-6, atol=1e-6),
                     "bf16_err": ((mine.float() - native.float()).abs() / magnitude.clamp_min(1e-30)).max().item(),
                     "async_equal": torch.equal(later, mine),
+                    "consume_equal": torch.equal(consumed, mine),
                     "completed": handle.is_completed(),
                 }
     return out
@@ -140,6 +144,7 @@ def test_reduce_scatter_equals_native(compared, case):
     for rank, results in enumerate(compared):
         r = results[case]
         assert r["async_equal"] and r["completed"], f"rank {rank}: async result differs from sync"
+        assert r["consume_equal"], f"rank {rank}: the consuming form's result differs"
         if kind in ("int_fp32", "int64"):
             assert r["exact"], f"rank {rank}: integer sums differ from native"
         elif kind == "fp32":

@@ -63,17 +63,20 @@ def test_no_shard_all_reduces_everything_over_the_world():
 def test_memory_terms():
     m = memory(S.HYBRID_SHARD, 3, model=MODEL)  # 1000 / 3 -> 334 elements per rank (the last shard padded)
     assert (m.params, m.grads, m.optimizer) == (334 * 4, 334 * 4, 2 * 334 * 4)
-    # Two units gathered (prefetch 1); the unit gradient being summed (2.5 units, bf16), its fp32
-    # copy, and the previous unit's fp32 gradient in an overlapped reduce-scatter.
-    grad_in_flight = 100 * 2 * 5 // 2 + 100 * 4 + 100 * 4
-    assert m.gathered == 2 * 100 * 2 + grad_in_flight
-    assert memory(S.HYBRID_SHARD, 3, model=MODEL, prefetch=0, overlap_grads=False).gathered == 100 * 2 + 500 + 400
+    # Two units gathered (prefetch 1), less the fp32 gradient shards they do not have yet (34
+    # elements each); the unit gradient being built (its parameters' gradients and their
+    # concatenation, bf16), its fp32 copy, and the previous unit's fp32 gradient in an overlapped
+    # reduce-scatter.
+    grad_in_flight = 100 * 2 * 2 + 100 * 4 + 100 * 4
+    assert m.gathered == 2 * (100 * 2 - 34 * 4) + grad_in_flight
+    assert memory(S.HYBRID_SHARD, 3, model=MODEL, prefetch=0, overlap_grads=False).gathered == \
+        100 * 2 - 34 * 4 + 400 + 400
     zero2 = memory(S.HYBRID_SHARD_ZERO2, 3, model=MODEL)
     assert zero2.gathered == 1000 * 2 - 334 * 4 + grad_in_flight  # every unit gathered, no gradient shard yet
     fp32 = ModelSpec(num_params=1000, unit_params=100, param_dtype="fp32", optimizer=Optimizer.SGD)
     replicated = memory(S.NO_SHARD, 1, model=fp32)
-    assert replicated.gathered == 100 * 4 * 5 // 2  # the master is the compute buffer; only the unit's gradient
-    assert replicated.optimizer == 1000 * 4 and replicated.total == 4000 * 3 + 1000
+    assert replicated.gathered == 100 * 4 * 2  # the master is the compute buffer; only the unit's gradient
+    assert replicated.optimizer == 1000 * 4 and replicated.total == 4000 * 3 + 800
 
 
 def test_shard_sizes_tile_every_node():

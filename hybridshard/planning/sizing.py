@@ -279,10 +279,10 @@ def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, pre
     slice_numel = -(-shard_numel // replicate_size) if shard_optimizer else shard_numel
     b_p, b_m, b_r = model.b_param, model.b_master, model.b_reduce
     unit = model.unit_params
-    # The unit's gradient while autograd sums it into the flat gradient: the sum, one parameter's
-    # gradient padded to the unit's size, and that parameter's own gradient (taken as half a unit).
-    # It arrives in the compute dtype; a different reduce dtype adds a cast copy.
-    unit_grad = unit * b_p * 5 // 2 + (unit * b_r if model.reduce_dtype != model.param_dtype else 0)
+    # The unit's gradient while autograd builds the flat gradient: every parameter's gradient (one
+    # unit in all) and their concatenation (see [Note: one split, one gradient buffer]). It arrives
+    # in the compute dtype; a different reduce dtype adds a cast copy.
+    unit_grad = unit * b_p * 2 + (unit * b_r if model.reduce_dtype != model.param_dtype else 0)
     if overlap_grads and shard_size > 1:
         unit_grad += unit * b_r  # the previous unit's gradient, kept until its reduce-scatter is done
     grads = slice_numel * b_m
@@ -293,7 +293,10 @@ def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, pre
         working = unit_grad
     elif strategy.reshard_after_forward:
         kept = model.root_params * b_p
-        working = (prefetch + 1) * unit * b_p + unit_grad
+        # The peak is a unit's backward with ``prefetch`` more gathered ahead: those units have no
+        # gradient shard yet, so ``grads`` overstates what exists then by their shards.
+        gathered_units = min(prefetch + 1, max(1, (model.num_params - model.root_params) // unit))
+        working = gathered_units * (unit * b_p - -(-unit // shard_size) * b_m) + unit_grad
     else:
         # ZeRO-2: every unit stays gathered from forward into backward, so the peak is the first
         # unit's backward, before any gradient shard exists: the grads term is not there yet.

@@ -151,6 +151,16 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
 # native one bit for bit on almost every element; gloo orders tiny messages (a few elements per
 # rank) and segment boundaries otherwise, which differ by summation order only. Integer sums are
 # exact.
+# A rank's own chunk never travels: the all-to-all sends 0 elements to itself (split sizes), so the
+# receive buffer holds the other S-1 chunks only. In a pair there is none at all: the other rank's
+# chunk lands in ``output`` and the own chunk is added from the input after it. With more ranks the
+# own chunk is copied to ``output`` first and the others' chunks must be contiguous: they are for the
+# first and last rank; a middle rank moves the chunks after its own one place down, which only a
+# caller done with the input allows (``consume=True``, the runtime's gradient path); otherwise it
+# sends and receives every chunk as before. Either way the others' sum is built first and the own
+# chunk added last, which is the order above (``a + b`` and ``b + a`` are the same bits). A
+# reduce-scatter in flight during the next unit's backward thus holds a receive buffer of (S-1)/S
+# of its input instead of all of it, and none in a pair.
 
 
 def _sums_locally(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None, n: int) -> bool:
@@ -182,20 +192,40 @@ def _is_gloo(group: dist.ProcessGroup) -> bool:
         return "gloo" in str(dist.get_backend(group))
 
 
-def _sum_received(output: torch.Tensor, received: torch.Tensor, n: int, rank: int) -> None:
-    """``output = sum of the n chunks of received``, in gloo's ring order (see the Note)."""
-    chunks = received.view(n, -1)
+def _sum_received(output: torch.Tensor, received: torch.Tensor, n: int, rank: int, own: torch.Tensor | None) -> None:
+    """Sum the chunks into ``output`` in gloo's ring order, this rank's own chunk last (see the Note).
+
+    ``own is None``: ``received`` holds all ``n`` chunks. Otherwise it holds the other ranks' chunks
+    in rank order and their sum is built in place; then the own chunk is added: ``own`` itself when
+    ``received`` is ``output`` (a pair), else ``output`` already holds it (``own is output``) and the
+    others' sum is added to it. ``a + b`` is ``b + a`` bit for bit, so the order is the Note's.
+    """
+    chunks = received.view(-1, output.numel())
+
+    def sent_by(k: int) -> torch.Tensor:  # the chunk rank (rank - k) sent
+        src = (rank - k) % n
+        return chunks[src if own is None or src < rank else src - 1]
+
     with torch.no_grad():
-        output.view(-1).copy_(chunks[(rank - 1) % n])
-        for k in range(2, n + 1):
-            output.view(-1).add_(chunks[(rank - k) % n])
+        out = output.view(-1)
+        if own is None:
+            out.copy_(sent_by(1))
+            for k in range(2, n + 1):
+                out.add_(sent_by(k))
+            return
+        theirs = sent_by(1)
+        for k in range(2, n):
+            theirs.add_(sent_by(k))
+        out.add_(theirs if own is output else own.view(-1))
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None, *,
-                   stats: CollectiveCounts | None = None, async_op: bool = False) -> Pending | None:
+                   stats: CollectiveCounts | None = None, async_op: bool = False,
+                   consume: bool = False) -> Pending | None:
     """Sum ``full`` over the group and keep this rank's chunk in ``output``.
 
     With ``async_op=True`` on gloo the local sum runs in ``wait()``: read ``output`` after it.
+    ``consume``: the caller is done with ``full``, whose values the call may then overwrite.
     """
     n = group_size(group)
     if n == 1:
@@ -207,12 +237,28 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
                     lambda a: _REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=a),
                     stats=stats, async_op=async_op)
     # Counted as the reduce-scatter it is (input: the full tensor), not as an all-to-all.
-    received = torch.empty_like(full)
     rank = dist.get_rank(group)
-    out, inp = hand_off(received, full)  # the receive buffer is a temporary: see the Note
+    chunks = full.view(n, -1)
+    sizes = [0 if r == rank else output.numel() for r in range(n)]
+    if n == 2:
+        # The other rank's chunk is received into ``output``, this rank's own added from ``full`` after.
+        send, received, own = chunks[1 - rank], output, chunks[rank]
+    elif consume or rank in (0, n - 1):
+        # The own chunk goes to ``output`` now; the others' chunks, contiguous (a middle rank moves
+        # the ones after its own one place down), travel, into a buffer of (n-1)/n of the input.
+        with torch.no_grad():
+            output.view(-1).copy_(chunks[rank])
+            if 0 < rank < n - 1:
+                for k in range(rank, n - 1):
+                    chunks[k].copy_(chunks[k + 1])
+        send = (chunks[1:] if rank == 0 else chunks[: n - 1]).view(-1)
+        received, own = torch.empty_like(send), output
+    else:  # a middle rank that may not move the caller's chunks: every chunk travels
+        send, received, own, sizes = full, torch.empty_like(full), None, None
+    out, inp = hand_off(received, send)  # the receive buffer may be a temporary: see the Note
     return _run("reduce_scatter", group, full,
-                lambda a: dist.all_to_all_single(out, inp, group=group, async_op=a),
-                stats=stats, async_op=async_op, then=lambda: _sum_received(output, received, n, rank))
+                lambda a: dist.all_to_all_single(out, inp, sizes, sizes, group=group, async_op=a),
+                stats=stats, async_op=async_op, then=lambda: _sum_received(output, received, n, rank, own))
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM, *,

@@ -90,7 +90,8 @@ class GradJob:
         try:
             with position.working_for(self._where):
                 self._first.wait()
-                self._first = None
+                self._first = None  # and with it the receive buffer
+                self.full = None  # the reduce-scatter no longer reads it: free it now, not at the next submit
                 self.state = JobState.SCATTERED
                 self._scattered.set()
                 self.shard, self._last = self._finish(self.shard)
@@ -192,12 +193,13 @@ class GradReducer(Executor):
         must be on groups that only the thread uses during backward (the replicate groups). ``finish``
         returns the shard and, if it left one running, its last collective, which :meth:`drain` waits for.
         """
-        first = issue_first() or C.DONE
         for earlier in self._jobs:
             # At most one unsharded gradient in flight besides this one: the previous unit's
-            # reduce-scatter had this unit's whole backward to finish. Dropped here, not on the
-            # thread, so the memory returns on the thread that took it.
+            # reduce-scatter had this unit's whole backward to finish. Dropped here, before this
+            # one's buffers exist, and not on the thread, so the memory returns on the thread
+            # that took it.
             earlier.release_full()
+        first = issue_first() or C.DONE
         job = GradJob(unit, full, shard, first, finish)
         self._jobs.append(job)
         _worker().put(job)

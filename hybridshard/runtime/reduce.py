@@ -129,7 +129,8 @@ class GradReduction:
             def issue_first() -> C.Pending | None:
                 if pre > 1:
                     grad.div_(pre)
-                return C.reduce_scatter(shard, grad, groups.shard, stats=stats, async_op=overlap)
+                # consume: the gradient is this reduction's own, read by nothing after it
+                return C.reduce_scatter(shard, grad, groups.shard, stats=stats, async_op=overlap, consume=True)
         else:
             start, end = layout.shard_range()
             shard = grad[start:end]

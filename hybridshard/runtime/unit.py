@@ -371,8 +371,9 @@ class Unit:
         started = time.perf_counter()
         grad = leaf.grad
         leaf.grad = None
-        self.reduction.reduce(grad, self.runtime.sync_mode, overlap=self.runtime.overlap_grads)
+        # The parameters are done with: free them before the reduction allocates its buffers.
         self.reshard()
+        self.reduction.reduce(grad, self.runtime.sync_mode, overlap=self.runtime.overlap_grads)
         self.training_state = TrainingState.POST_BACKWARD
         self.hook_seconds += time.perf_counter() - started
         if self.frozen_part is not None:
