@@ -57,7 +57,14 @@ def test_bench_end_to_end_on_loopback(tmp_path):
     assert systems["fsdp1"]["hook_ms_per_step_by_rank"] == [None] * 4
     for name in ("hybridshard", "fsdp1", "fsdp2"):  # one clock for every system's hooks
         assert all(ms > 0 for ms in systems[name]["hooks_ms_per_step_by_rank"]), (name, systems[name])
+        # CPU time inside the hooks: their own work, never more than the wall time they took (hybridshard's
+        # also counts its communication thread's jobs, which run beside the hooks)
+        cpu = systems[name]["hooks_cpu_ms_per_step_by_rank"]
+        assert all(ms > 0 for ms in cpu), (name, cpu)
+        if name != "hybridshard":
+            assert all(c <= w * 1.05 for c, w in zip(cpu, systems[name]["hooks_ms_per_step_by_rank"])), (name, cpu)
     assert systems["floor"]["hooks_ms_per_step_by_rank"] == [None] * 4
+    assert systems["floor"]["hooks_cpu_ms_per_step_by_rank"] == [None] * 4
     assert systems["floor"]["bytes_per_step"] == {} and systems["floor"]["loss_compared_steps"] == 1
     assert systems["fsdp1"]["loss_compared_steps"] == 2  # warm-up + the first round
     assert results["reference"] == "hybridshard"

@@ -16,6 +16,13 @@ the autograd hooks and the end-of-backward callback call into - and adds the wal
 - FSDP2: ``FSDPState._pre_forward``, ``_post_forward``, ``_pre_backward``,
   ``_root_post_backward_final_callback`` and ``FSDPParamGroup.post_backward``.
 
+Besides wall time, the clock adds the *CPU time* of the thread inside each outermost entry
+(``time.thread_time``): the hooks' own work, without the time they spend blocked on a collective,
+a lock or another process (4 ranks on 2 cores are often descheduled). hybridshard also runs part of
+its gradient path on its communication thread (:class:`~hybridshard.runtime.overlap.GradJob`): that
+thread's CPU time in its jobs is added to the same total (:data:`THREAD_ENTRY_POINTS`; not to the
+wall time, which would count its waits). FSDP1 and FSDP2 run no thread of their own on the CPU.
+
 Hooks are bound when a model is wrapped (FSDP1 binds functions, FSDP2 and hybridshard bound
 methods), so :meth:`HookClock.install` must run before the models are built; :meth:`uninstall` puts
 the originals back. The time includes waits for collectives inside the hooks, as ``comm_stats``'s
@@ -35,7 +42,7 @@ from typing import Any, Callable, Iterable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HookClock", "ENTRY_POINTS"]
+__all__ = ["HookClock", "ENTRY_POINTS", "THREAD_ENTRY_POINTS"]
 
 # system -> [(module, owner class or None, attribute, wraps a hook factory's result)]
 ENTRY_POINTS: dict[str, list[tuple[str, str | None, str, bool]]] = {
@@ -61,6 +68,11 @@ ENTRY_POINTS: dict[str, list[tuple[str, str | None, str, bool]]] = {
     ] + [("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup", "post_backward", False)],
 }
 
+# Entry points run on a thread of the system's own: CPU time only (see the Note).
+THREAD_ENTRY_POINTS: dict[str, list[tuple[str, str | None, str, bool]]] = {
+    "hybridshard": [("hybridshard.runtime.overlap", "GradJob", "run", False)],
+}
+
 
 class HookClock:
     """Per-system wall time in hooks; see [Note: timing other systems' hooks]."""
@@ -68,6 +80,8 @@ class HookClock:
     def __init__(self, on_enter: Callable[[], None] | None = None, on_exit: Callable[[], None] | None = None) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         """Per label, wall time in hooks."""
+        self.cpu_seconds: dict[str, float] = defaultdict(float)
+        """Per label, CPU time of the threads inside hooks (and the system's own threads' jobs)."""
         self.calls: dict[str, int] = defaultdict(int)
         self.label = ""
         """Where the time goes: the contestant whose steps run now."""
@@ -78,6 +92,7 @@ class HookClock:
 
     def reset(self) -> None:
         self.seconds.clear()
+        self.cpu_seconds.clear()
         self.calls.clear()
 
     def _timed(self, fn: Callable) -> Callable:
@@ -86,7 +101,7 @@ class HookClock:
             if getattr(self._local, "inside", False):
                 return fn(*args, **kwargs)
             self._local.inside = True
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             if self.on_enter is not None:
                 self.on_enter()
             try:
@@ -94,9 +109,21 @@ class HookClock:
             finally:
                 if self.on_exit is not None:
                     self.on_exit()
+                self.cpu_seconds[self.label] += time.thread_time() - cpu_started
                 self.seconds[self.label] += time.perf_counter() - started
                 self.calls[self.label] += 1
                 self._local.inside = False
+
+        return timed
+
+    def _cpu_timed(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            cpu_started = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:  # a step drains its jobs before it returns: the label is still that step's
+                self.cpu_seconds[self.label] += time.thread_time() - cpu_started
 
         return timed
 
@@ -113,7 +140,9 @@ class HookClock:
             if system not in ENTRY_POINTS:
                 raise ValueError(f"no hook entry points known for system {system!r}; expected one of "
                                  f"{sorted(ENTRY_POINTS)}; time only those systems")
-            for module_name, owner_name, attr, factory in ENTRY_POINTS[system]:
+            entries = [(e, self._timed) for e in ENTRY_POINTS[system]]
+            entries += [(e, self._cpu_timed) for e in THREAD_ENTRY_POINTS.get(system, ())]
+            for (module_name, owner_name, attr, factory), wrap in entries:
                 try:
                     owner = importlib.import_module(module_name)
                     owner = getattr(owner, owner_name) if owner_name else owner
@@ -122,7 +151,7 @@ class HookClock:
                     self.missing.append(f"{module_name}.{owner_name + '.' if owner_name else ''}{attr}")
                     continue
                 self._patched.append((owner, attr, original))
-                setattr(owner, attr, self._factory(original) if factory else self._timed(original))
+                setattr(owner, attr, self._factory(original) if factory else wrap(original))
         if self.missing:
             logger.warning("hook entry points not found in this torch, not timed: %s", self.missing)
         return self

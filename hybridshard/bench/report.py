@@ -20,8 +20,8 @@ def _cell(value: float | None, fmt: str) -> str:
     return "-".rjust(width) if value is None else format(value, fmt)
 
 
-def _hooks_ms(entry: dict[str, Any]) -> float | None:
-    values = sorted(v for v in entry.get("hooks_ms_per_step_by_rank") or [] if v is not None)
+def _hooks_ms(entry: dict[str, Any], key: str = "hooks_ms_per_step_by_rank") -> float | None:
+    values = sorted(v for v in entry.get(key) or [] if v is not None)
     return values[len(values) // 2] if values else None
 
 
@@ -39,7 +39,7 @@ def render_text(results: dict[str, Any]) -> str:
         "",
     ]
     header = (f"{'system':<28} {'median ms':>9} {'p10':>7} {'p90':>7} {'/fsdp1':>7} {'/fsdp2':>7} {'/floor':>7} "
-              f"{'loss diff':>9} {'shard MB':>9} {'repl MB':>8} {'peak MB':>8} {'hooks ms':>8}")
+              f"{'loss diff':>9} {'shard MB':>9} {'repl MB':>8} {'peak MB':>8} {'hooks ms':>8} {'hook cpu':>8}")
     lines += [header, "-" * len(header)]
     for name, e in results["systems"].items():
         r = e["ratio"]
@@ -48,7 +48,8 @@ def render_text(results: dict[str, Any]) -> str:
             f"{name:<28} {e['median_ms']:9.1f} {e['p10_ms']:7.1f} {e['p90_ms']:7.1f} "
             f"{_cell(r.get('fsdp1'), '7.2f')} {_cell(r.get('fsdp2'), '7.2f')} {_cell(r.get('floor'), '7.2f')} "
             f"{_cell(e['loss_max_abs_diff'], '9.1e')} {_cell(shard and shard / _MB, '9.2f')} "
-            f"{_cell(repl and repl / _MB, '8.2f')} {e['peak_bytes'] / _MB:8.1f} {_cell(_hooks_ms(e), '8.1f')}"
+            f"{_cell(repl and repl / _MB, '8.2f')} {e['peak_bytes'] / _MB:8.1f} {_cell(_hooks_ms(e), '8.1f')} "
+            f"{_cell(_hooks_ms(e, 'hooks_cpu_ms_per_step_by_rank'), '8.1f')}"
         )
     rss = max(results["max_rss_bytes_by_rank"]) / _MB
     lines += [
@@ -62,5 +63,7 @@ def render_text(results: dict[str, Any]) -> str:
         "(all systems together).",
         "hooks ms: wall time per timed step in the system's hooks (waits for collectives included), median over "
         "ranks, one clock for every system.",
+        "hook cpu: CPU time per timed step of the threads inside those hooks (their own work, waits excluded; "
+        "hybridshard's communication thread included), median over ranks.",
     ]
     return "\n".join(lines)

@@ -126,6 +126,8 @@ def _run(cfg: BenchConfig, out_dir: str, clock: HookClock, *, link: str, from_jo
         if t.contestant.system is not System.FLOOR:  # the same clock for every system, over the timed steps
             facts[t.contestant.name]["hooks_ms_per_step"] = clock.seconds[t.contestant.name] * 1e3 / (
                 cfg.rounds * cfg.steps)
+            facts[t.contestant.name]["hooks_cpu_ms_per_step"] = clock.cpu_seconds[t.contestant.name] * 1e3 / (
+                cfg.rounds * cfg.steps)
         if t.contestant.system is System.HYBRIDSHARD:
             seen = hs.comm_stats(t.model)
             steps = max(seen["steps"], 1)
@@ -182,6 +184,7 @@ def _assemble(cfg: BenchConfig, groups, names: list[str], times_ms: dict[str, li
             "peak_bytes": max(r["facts"][n]["peak_bytes"] for r in per_rank),
             "hook_ms_per_step_by_rank": [r["facts"][n].get("hook_ms_per_step") for r in per_rank],
             "hooks_ms_per_step_by_rank": [r["facts"][n].get("hooks_ms_per_step") for r in per_rank],
+            "hooks_cpu_ms_per_step_by_rank": [r["facts"][n].get("hooks_cpu_ms_per_step") for r in per_rank],
             "gather_wait_ms_per_step_by_rank": [r["facts"][n].get("gather_wait_ms_per_step") for r in per_rank],
         }
     return {

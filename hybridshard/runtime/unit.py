@@ -142,6 +142,9 @@ class Unit:
         self.training_state = TrainingState.IDLE
         self.views: list[torch.Tensor] | None = None
         """The views of the unsharded buffer the modules hold while the unit computes, else ``None``."""
+        self._forward_views: list[torch.Tensor] | None = None
+        """The views the last forward of this step made: the backward installs them again (their storage
+        is the same buffer, gathered again) instead of making new ones."""
         self.views_version = 0
         """The unsharded buffer's version counter when the views were last known good."""
         self.gathered_versions: tuple[int, ...] = ()
@@ -245,12 +248,14 @@ class Unit:
         self.flat.free_storage()
         self.sharded_state = ShardedState.SHARDED
 
-    def _install_views(self) -> None:
+    def _install_views(self, views: list[torch.Tensor] | None = None) -> None:
         assert self.sharded_state is ShardedState.UNSHARDED
-        # Views must be differentiable even when made inside backward (grad mode is off there),
-        # or a recomputation would save different tensors than the forward it replays.
-        with torch.enable_grad():
-            self.views = self.flat.unsharded_views()
+        if views is None:
+            # Views must be differentiable even when made inside backward (grad mode is off there),
+            # or a recomputation would save different tensors than the forward it replays.
+            with torch.enable_grad():
+                views = self.flat.unsharded_views()
+        self.views = views
         for view, slots in zip(self.views, self.bindings):
             for mod, attr in slots:
                 mod._parameters[attr] = view
@@ -283,6 +288,7 @@ class Unit:
             return
         self.unshard()
         self._install_views()
+        self._forward_views = self.views
         self.training_state = TrainingState.FORWARD
 
     def post_forward(self, output: Any) -> Any:
@@ -359,8 +365,9 @@ class Unit:
         self.unshard()
         if self.views is None:
             # See [Note: recomputation in backward]: checkpointing inside the unit's forward reads
-            # the module attributes again, with no forward hook of ours around it.
-            self._install_views()
+            # the module attributes again, with no forward hook of ours around it. The forward's
+            # own views serve: their gradients reach the flat leaf as any new view's would.
+            self._install_views(self._forward_views)
         self.training_state = TrainingState.PRE_BACKWARD
         self.hook_seconds += time.perf_counter() - started
 
@@ -386,12 +393,14 @@ class Unit:
                 self.reduction.reduce(None, SyncMode.SYNC)
         self.reshard()
         self.flat.drop_staged()
+        self._forward_views = None
         self.training_state = TrainingState.IDLE
         self._stop_watching()
 
     def abort_backward(self) -> None:
         """After a backward that raised: drop its unreduced gradient, free the buffer, go back to IDLE."""
         self.flat.unsharded.grad = None
+        self._forward_views = None
         self.flat.drop_staged()
         self.reshard()
         self.training_state = TrainingState.IDLE
