@@ -187,6 +187,22 @@ def test_divide_factors_split_the_world_size():
         assert pre * pre <= world < 4 * pre * pre, (world, pre)
 
 
+def test_divide_is_the_division_bit_for_bit():
+    """The gradient scaling multiplies by a power of two's reciprocal instead of dividing: the same bits,
+    for every dtype the gradients take, subnormals, extremes and specials included."""
+    from hybridshard.runtime.reduce import divide_
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.cat([torch.randn(4096, generator=g) * torch.logspace(-44, 38, 4096),
+                        torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.2e-38, 3.4e38, float("inf"), float("-inf")])])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        x = values.to(dtype)
+        for factor in (2, 4, 8, 16, 64, 3, 6, 12, 2.5):
+            expected = x / factor
+            got = divide_(x.clone(), factor)
+            assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), (dtype, factor)
+
+
 FP16 = [replace(_S, strategy=s, bf16=True, fp16=True, steps=3, executor=e)
         for s in ("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD") for e in EXECUTORS]
 FP16 += [replace(_S, strategy="HYBRID_SHARD_ZERO2", bf16=True, fp16=True, steps=3, executor="streams", micro_steps=2,

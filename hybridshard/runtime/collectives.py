@@ -35,7 +35,12 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Ranks in ``group``; ``None`` is no group, one rank (see [Note: None means no group])."""
-    return 1 if group is None else dist.get_world_size(group)
+    if group is None:
+        return 1
+    try:  # the group's own size(): what dist.get_world_size returns for a member, without its lookups
+        return group.size()
+    except AttributeError:
+        return dist.get_world_size(group)
 
 
 class Pending:
@@ -166,8 +171,8 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
 def _sums_locally(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None, n: int) -> bool:
     """Whether this reduce-scatter runs as an all-to-all plus a local sum; see [Note: reduce-scatter on gloo]."""
     return (
-        full.device.type == "cpu"
-        and output.device.type == "cpu"
+        full.is_cpu
+        and output.is_cpu
         and output.dtype == full.dtype
         and not full.dtype.is_complex
         and full.dtype != torch.bool
@@ -237,7 +242,7 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
                     lambda a: _REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=a),
                     stats=stats, async_op=async_op)
     # Counted as the reduce-scatter it is (input: the full tensor), not as an all-to-all.
-    rank = dist.get_rank(group)
+    rank = group.rank()  # this rank's place in the group (dist.get_rank(group), without its lookups)
     chunks = full.view(n, -1)
     sizes = [0 if r == rank else output.numel() for r in range(n)]
     if n == 2:

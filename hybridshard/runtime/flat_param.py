@@ -71,6 +71,11 @@ class FlatParam:
         shard_start = layout.shard_range()[0]
         self.local = layout.slices_in(shard_start + lo, shard_start + hi)
         """Per slot, its part of the owned range (``shard_offset`` counted from the range's start)."""
+        self._expected: tuple[int, list[tuple[int, int]]] | None = None
+        """The master's address, and per slot the address and length of the view ``use_sharded_params``
+        makes: what ``writeback_params`` expects to find."""
+        self._grad_split = _split_sizes([(part.shard_offset, part.numel) for part in self.local], self.owned_numel)
+        """Pieces of an owned-sized gradient, one per slot with elements: see ``accumulate_grad_shard``."""
         self._split_sizes: tuple[list[int], list[int | None]] | None = None
         """The split that makes the trainable views, computed at the first gather; see [Note: one split, one gradient buffer]."""
         self.device = sharded.device if device is None else device
@@ -141,15 +146,14 @@ class FlatParam:
         every gather, so a parameter still pointing at its part of the master is recognised from its
         address and shape alone, without making a view of the master for it.
         """
-        base, itemsize = self.owned.data_ptr(), self.owned.element_size()
-        for i, p in enumerate(self.params):
-            part = self.local[i]
-            if part.numel and p.dim() == 1 and p.shape[0] == part.numel and \
-                    p.data_ptr() == base + part.shard_offset * itemsize:
+        base = self.owned.data_ptr()
+        if self._expected is None or self._expected[0] != base:
+            itemsize = self.owned.element_size()
+            self._expected = (base, [(base + part.shard_offset * itemsize, part.numel) for part in self.local])
+        for i, (p, (address, numel)) in enumerate(zip(self.params, self._expected[1])):
+            if p.data_ptr() == address and p.dim() == 1 and p.shape[0] == numel:
                 continue  # the view use_sharded_params made (or one just like it)
             view = self.shard_view(i)
-            if p.data.data_ptr() == view.data_ptr() and p.data.shape == view.shape:
-                continue
             if p.numel() != view.numel():
                 raise ValueError(
                     f"parameter {self.layout.slots[i].name!r} was replaced by a tensor of {p.numel()} elements; "
@@ -226,7 +230,8 @@ class FlatParam:
         view either way, so the values are the same.
         """
         if self._split_sizes is None:
-            self._split_sizes = _split_sizes(self.layout)
+            self._split_sizes = _split_sizes([(slot.offset, slot.numel) for slot in self.layout.slots],
+                                             self.layout.padded_numel)
         sizes, piece_of_slot = self._split_sizes
         if sum(sizes) != self.unsharded.numel() or not any(p.requires_grad for p in self.params):
             piece_of_slot = [None] * len(self.params)  # slice per parameter, as before
@@ -275,9 +280,11 @@ class FlatParam:
             whole = base.dim() == 1 and base.numel() == grad_shard.numel() and grad_shard.storage_offset() == 0
             grad_shard = base if whole else grad_shard.clone()
         self._grad_ref = weakref.ref(grad_shard)
-        for i, p in enumerate(self.params):
+        sizes, piece_of_slot = self._grad_split  # one split for every slot, not one slice each
+        pieces = grad_shard.split(sizes)
+        for i, (p, piece) in enumerate(zip(self.params, piece_of_slot)):
             if p.requires_grad:
-                p.grad = self.shard_view(i, grad_shard)
+                p.grad = self.shard_view(i, grad_shard) if piece is None else pieces[piece]
 
     def _existing_grad_shard(self) -> torch.Tensor | None:
         """The flat gradient shard the parameters' ``.grad`` currently show, or ``None`` if all are unset.
@@ -299,22 +306,23 @@ class FlatParam:
         return flat
 
 
-def _split_sizes(layout: Any) -> tuple[list[int], list[int | None]]:
-    """Piece sizes that cover the flat buffer (slots and the gaps between them) and, per slot, the
-    index of its piece (``None`` for a slot that overlaps the one before); see [Note: one split,
-    one gradient buffer]."""
+def _split_sizes(parts: Sequence[tuple[int, int]], total: int) -> tuple[list[int], list[int | None]]:
+    """Piece sizes that cover ``total`` elements (the ``(offset, numel)`` parts and the gaps between
+    them) and, per part, the index of its piece (``None`` for a part that starts before the end of the
+    one before: an overlap, or an empty part of a shard placed at 0); see [Note: one split, one
+    gradient buffer]."""
     sizes: list[int] = []
-    piece_of_slot: list[int | None] = []
+    piece_of_part: list[int | None] = []
     cursor = 0
-    for slot in layout.slots:
-        if slot.offset < cursor:
-            piece_of_slot.append(None)
+    for offset, numel in parts:
+        if offset < cursor:
+            piece_of_part.append(None)
             continue
-        if slot.offset > cursor:
-            sizes.append(slot.offset - cursor)
-        piece_of_slot.append(len(sizes))
-        sizes.append(slot.numel)
-        cursor = slot.end
-    if layout.padded_numel > cursor:
-        sizes.append(layout.padded_numel - cursor)
-    return sizes, piece_of_slot
+        if offset > cursor:
+            sizes.append(offset - cursor)
+        piece_of_part.append(len(sizes))
+        sizes.append(numel)
+        cursor = offset + numel
+    if total > cursor:
+        sizes.append(total - cursor)
+    return sizes, piece_of_part

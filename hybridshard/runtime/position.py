@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
 
 __all__ = ["PHASES", "Where", "api_call", "current_where", "in_call", "snapshot", "where", "working_for"]
@@ -73,7 +73,7 @@ def current_where() -> Where:
 
 def snapshot() -> Where:
     """A copy of the current position, for work another thread finishes later."""
-    return replace(current_where())
+    return Where(**vars(current_where()))  # what dataclasses.replace does, with less work per collective
 
 
 @contextlib.contextmanager

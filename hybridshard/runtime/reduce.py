@@ -26,7 +26,7 @@ from hybridshard.runtime import collectives as C
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GradReduction", "SyncMode", "divide_factors"]
+__all__ = ["GradReduction", "SyncMode", "divide_", "divide_factors"]
 
 
 def divide_factors(world_size: int, reduce_dtype: torch.dtype) -> tuple[int, float]:
@@ -48,6 +48,18 @@ def divide_factors(world_size: int, reduce_dtype: torch.dtype) -> tuple[int, flo
     while (2 * pre) ** 2 <= world_size:
         pre *= 2
     return pre, world_size // pre if world_size % pre == 0 else world_size / pre
+
+
+def divide_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """``tensor /= factor`` in place, bit for bit, as a multiplication when ``factor`` is a power of two.
+
+    Both are one correctly rounded operation on the same exact value (``1 / 2**k`` is exact), so the
+    results are identical, subnormals included; on a CPU the multiplication is about 4x cheaper (a
+    division per element is not memory-bound there). Any other factor divides.
+    """
+    if factor == int(factor) and int(factor) & (int(factor) - 1) == 0:
+        return tensor.mul_(1.0 / factor)
+    return tensor.div_(factor)
 
 
 class SyncMode(enum.Enum):
@@ -114,7 +126,7 @@ class GradReduction:
             # In place: the shard is this reduction's own buffer (a fresh reduce-scatter output, or
             # a slice of the gradient autograd handed over), so nothing is allocated on the thread.
             if post > 1:
-                shard.div_(post)
+                divide_(shard, post)
             return shard if held is None else shard.add_(held)
 
         def scale_and_replicate(shard: torch.Tensor) -> tuple[torch.Tensor, C.Pending | None]:
@@ -128,7 +140,7 @@ class GradReduction:
 
             def issue_first() -> C.Pending | None:
                 if pre > 1:
-                    grad.div_(pre)
+                    divide_(grad, pre)
                 # consume: the gradient is this reduction's own, read by nothing after it
                 return C.reduce_scatter(shard, grad, groups.shard, stats=stats, async_op=overlap, consume=True)
         else:
@@ -137,7 +149,7 @@ class GradReduction:
 
             def issue_first() -> C.Pending | None:
                 if pre > 1:
-                    shard.div_(pre)
+                    divide_(shard, pre)
                 return C.DONE
         if not overlap:
             issue_first()

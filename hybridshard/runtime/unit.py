@@ -132,6 +132,8 @@ class Unit:
         self.flat = flat
         self.bindings = tuple(tuple(b) for b in bindings)
         """Per slot, every ``(module, attribute)`` that holds the parameter (tied ones hold it twice)."""
+        self._slots = tuple((i, mod._parameters, attr) for i, slots in enumerate(self.bindings) for mod, attr in slots)
+        """The bindings as ``(slot, the module's parameter table, attribute)``: what installing walks."""
         self.strategy = strategy
         self.groups = groups
         """The unit's own groups: hybrid units use the shard/replicate groups, the others the world."""
@@ -256,16 +258,15 @@ class Unit:
             with torch.enable_grad():
                 views = self.flat.unsharded_views()
         self.views = views
-        for view, slots in zip(self.views, self.bindings):
-            for mod, attr in slots:
-                mod._parameters[attr] = view
+        for i, table, attr in self._slots:
+            table[attr] = views[i]
         self.views_version = self.flat.unsharded._version
 
     def _install_params(self) -> None:
         self.views = None
-        for p, slots in zip(self.flat.params, self.bindings):
-            for mod, attr in slots:
-                mod._parameters[attr] = p
+        params = self.flat.params
+        for i, table, attr in self._slots:
+            table[attr] = params[i]
 
     # -- forward ---------------------------------------------------------------------------------
 
