@@ -1,6 +1,6 @@
 """Where the hooks' time goes: hybridshard, FSDP1 and FSDP2 profiled the same way in one job.
 
-    OMP_NUM_THREADS=1 python benchmarks/hook_profile.py [--steps 6] [--warmup 2] [--top 14] [--functions 0]
+    OMP_NUM_THREADS=1 python benchmarks/hook_profile.py [--steps 6] [--warmup 2] [--top 14] [--functions 0] [--clock wall|cpu]
 
 Spawns 4 gloo ranks on 2 simulated nodes (``HYBRIDSHARD_NODE_NAME``), builds the three systems of
 ``hybridshard bench`` on its default model (:mod:`hybridshard.bench.systems`, same seed, same groups)
@@ -11,7 +11,9 @@ switched on only while the rank is inside one of the system's hook entry points 
 separates the steps). It prints, per system and per step:
 
 - the wall time in hooks, what of it was blocked (``Work.wait`` on a collective, lock and event
-  waits) and the rest, the hooks' own work; and the process's CPU time (all threads) per step;
+  waits) and the rest, the hooks' own work; the CPU time of the threads inside the hooks (with
+  hybridshard's communication thread, as ``hybridshard bench``'s ``hook cpu`` column); and the
+  process's CPU time (all threads) per step;
 - the self time of every function that ran inside the hooks, grouped by category (hybridshard's
   runtime by concept, FSDP's by file, torch's C functions by name);
 - what was alive at the peak of the live-bytes step, by the op that allocated it;
@@ -111,7 +113,7 @@ def summarize(stats: pstats.Stats, system: str, hook_seconds: float, steps: int)
             "functions": {k: v * per_step for k, v in functions.items()}}
 
 
-def _rank(rank: int, store: str, steps: int, warmup: int, out: str) -> None:
+def _rank(rank: int, store: str, steps: int, warmup: int, out: str, clock_name: str = "wall") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank % (WORLD // NODES)),
                       LOCAL_WORLD_SIZE=str(WORLD // NODES), HYBRIDSHARD_NODE_NAME=f"node{rank // (WORLD // NODES)}")
     torch.set_num_threads(1)
@@ -126,7 +128,8 @@ def _rank(rank: int, store: str, steps: int, warmup: int, out: str) -> None:
     cfg = BenchConfig()
     groups = hs.init_groups()
     device = torch.device("cpu")
-    profiler = cProfile.Profile()
+    timer = time.thread_time if clock_name == "cpu" else time.perf_counter
+    profiler = cProfile.Profile(timer)
     profiling = [False]
     clock = HookClock(on_enter=lambda: profiling[0] and profiler.enable(),
                       on_exit=lambda: profiling[0] and profiler.disable()).install(SYSTEMS)
@@ -147,7 +150,7 @@ def _rank(rank: int, store: str, steps: int, warmup: int, out: str) -> None:
             peak = live.peak()
         else:
             trainer.step(batch())
-        profiler = cProfile.Profile()
+        profiler = cProfile.Profile(timer)
         clock.reset()
         clock.label = name
         cpu = 0.0
@@ -163,6 +166,7 @@ def _rank(rank: int, store: str, steps: int, warmup: int, out: str) -> None:
         if rank == 0:
             results[name] = summarize(pstats.Stats(profiler), name, clock.seconds[name], steps)
             results[name]["cpu_ms"] = cpu * 1e3 / steps
+            results[name]["hooks_cpu_ms"] = clock.cpu_seconds[name] * 1e3 / steps
             results[name]["peak_bytes"], results[name]["alive_at_peak"] = peak, dict(alive)
         del trainer
     clock.uninstall()
@@ -178,6 +182,7 @@ def render(results: dict, top: int, functions: int = 0) -> str:
     for label, values in (("in hooks (wall, profiler on)", {n: results[n]["hooks_ms"] for n in names}),
                           ("  blocked (Work.wait, lock/event waits)", blocked),
                           ("  the hooks' own work", {n: results[n]["hooks_ms"] - blocked[n] for n in names}),
+                          ("CPU time in hooks (+ hybridshard's comm thread)", {n: results[n]["hooks_cpu_ms"] for n in names}),
                           ("process CPU time per step, all threads", {n: results[n]["cpu_ms"] for n in names})):
         lines.append(f"{label:<42}" + "  ".join(f"{values[n]:12.1f}" for n in names))
     for n in names:
@@ -205,10 +210,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=14, help="categories listed per system")
     parser.add_argument("--functions", type=int, default=0, help="also list this many functions per system")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="what the profiler charges: wall time, or the thread's CPU time (blocked time then "
+                             "counts nothing, so the 'blocked' rows are near 0 and the rest is the hooks' own work)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "profile.pt")
-        mp.spawn(_rank, args=(os.path.join(tmp, "store"), args.steps, args.warmup, out), nprocs=WORLD)
+        mp.spawn(_rank, args=(os.path.join(tmp, "store"), args.steps, args.warmup, out, args.clock), nprocs=WORLD)
         results = torch.load(out)
     print(render(results, args.top, args.functions))
 

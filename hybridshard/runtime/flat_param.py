@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -163,6 +163,7 @@ class FlatParam:
             logger.debug("writing back replaced parameter %s", self.layout.slots[i].name)
             view.copy_(p.data.reshape(-1))
             if self.separate_master:  # and this replica's compute copy of it
+                part = self.local[i]
                 lo = self.owned_range[0] + part.shard_offset
                 self.sharded[lo : lo + part.numel].copy_(view)
             p.data = view

@@ -24,9 +24,12 @@ not start: it waits for every job in submission order and only then adds each re
 ``.grad``, on the main thread. So no gradient is read before its collectives finished, and the
 arithmetic is the synchronous path's, in the same order: the results are bitwise identical.
 The unsharded gradient of a unit stays alive until its reduce-scatter completed: the job holds it,
-and the next unit's post-backward hook waits for that reduce-scatter (it had the next unit's whole
-backward to finish) and drops it. So at most two unsharded gradients are alive at once, the one in
-flight and the one just computed, however far the thread lags.
+and the thread drops it (with the receive buffer) as soon as that collective is done. The next
+unit's post-backward hook bounds it: before it issues its own reduce-scatter it waits for the
+previous one (which had that unit's whole backward to finish) and drops that gradient if the thread
+has not. So at most two unsharded gradients are alive at once, the one in flight and the one just
+computed, however far the thread lags. The hook frees the unit's gathered parameters before any of
+this (see ``Unit._post_backward``): the reduction's buffers take their place.
 
 This is the thread executor, for CPU tensors on gloo, where ``wait()`` blocks the host. It must not
 run NCCL: its replicate all-reduces race the hooks' collectives to the device. CUDA uses the stream
