@@ -167,6 +167,8 @@ def _rank(rank: int, store: str, steps: int, warmup: int, out: str, clock_name: 
             results[name] = summarize(pstats.Stats(profiler), name, clock.seconds[name], steps)
             results[name]["cpu_ms"] = cpu * 1e3 / steps
             results[name]["hooks_cpu_ms"] = clock.cpu_seconds[name] * 1e3 / steps
+            results[name]["cpu_by_entry"] = {entry: sec * 1e3 / steps for (label, entry), sec in clock.cpu_by_entry.items()
+                                             if label == name}
             results[name]["peak_bytes"], results[name]["alive_at_peak"] = peak, dict(alive)
         del trainer
     clock.uninstall()
@@ -186,6 +188,9 @@ def render(results: dict, top: int, functions: int = 0) -> str:
                           ("process CPU time per step, all threads", {n: results[n]["cpu_ms"] for n in names})):
         lines.append(f"{label:<42}" + "  ".join(f"{values[n]:12.1f}" for n in names))
     for n in names:
+        lines.append(f"\n{n}: CPU time per hook entry point (the clock's own measure, ms/step)")
+        for entry, ms in sorted(results[n]["cpu_by_entry"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {entry[:60]:<62}{ms:8.2f}")
         lines.append(f"\n{n}: self time inside the hooks by category (ms/step)")
         rows = sorted(results[n]["rows"].items(), key=lambda kv: -kv[1])
         for label, ms in rows[:top]:

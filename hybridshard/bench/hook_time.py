@@ -80,6 +80,8 @@ class HookClock:
     def __init__(self, on_enter: Callable[[], None] | None = None, on_exit: Callable[[], None] | None = None) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         """Per label, wall time in hooks."""
+        self.cpu_by_entry: dict[tuple[str, str], float] = defaultdict(float)
+        """Per ``(label, entry point)``, the part of :attr:`cpu_seconds` spent under it."""
         self.cpu_seconds: dict[str, float] = defaultdict(float)
         """Per label, CPU time of the threads inside hooks (and the system's own threads' jobs)."""
         self.calls: dict[str, int] = defaultdict(int)
@@ -93,9 +95,12 @@ class HookClock:
     def reset(self) -> None:
         self.seconds.clear()
         self.cpu_seconds.clear()
+        self.cpu_by_entry.clear()
         self.calls.clear()
 
     def _timed(self, fn: Callable) -> Callable:
+        entry = fn.__qualname__
+
         @functools.wraps(fn)
         def timed(*args, **kwargs):
             if getattr(self._local, "inside", False):
@@ -109,7 +114,9 @@ class HookClock:
             finally:
                 if self.on_exit is not None:
                     self.on_exit()
-                self.cpu_seconds[self.label] += time.thread_time() - cpu_started
+                cpu = time.thread_time() - cpu_started
+                self.cpu_seconds[self.label] += cpu
+                self.cpu_by_entry[(self.label, entry)] += cpu
                 self.seconds[self.label] += time.perf_counter() - started
                 self.calls[self.label] += 1
                 self._local.inside = False
@@ -117,13 +124,17 @@ class HookClock:
         return timed
 
     def _cpu_timed(self, fn: Callable) -> Callable:
+        entry = f"{fn.__qualname__} (thread)"
+
         @functools.wraps(fn)
         def timed(*args, **kwargs):
             cpu_started = time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:  # a step drains its jobs before it returns: the label is still that step's
-                self.cpu_seconds[self.label] += time.thread_time() - cpu_started
+                cpu = time.thread_time() - cpu_started
+                self.cpu_seconds[self.label] += cpu
+                self.cpu_by_entry[(self.label, entry)] += cpu
 
         return timed
 
