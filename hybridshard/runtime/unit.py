@@ -311,10 +311,10 @@ class Unit:
     def watch_inputs(self, args: tuple, kwargs: dict) -> None:
         """Called by the forward pre-hook after :meth:`pre_forward`: a unit that expects no gradient
         frees its buffer once backward passed its inputs; see [Note: resharding frozen units early]."""
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or self.expects_grad:  # a unit expecting a gradient frees on it
             return
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if inputs and not self.expects_grad:
+        if inputs:
             self._inputs_need_grad = True
             self._input_hooks.append(torch.autograd.graph.register_multi_grad_hook(inputs, self._inputs_done))
             for t in inputs:
