@@ -293,8 +293,7 @@ def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, pre
         working = unit_grad
     elif strategy.reshard_after_forward:
         kept = model.root_params * b_p
-        # The peak is a unit's backward with ``prefetch`` more gathered ahead: those units have no
-        # gradient shard yet, so ``grads`` overstates what exists then by their shards.
+        # At the peak (a unit's backward, ``prefetch`` more gathered) those units lack their gradient shard.
         gathered_units = min(prefetch + 1, max(1, (model.num_params - model.root_params) // unit))
         working = gathered_units * (unit * b_p - -(-unit // shard_size) * b_m) + unit_grad
     else:

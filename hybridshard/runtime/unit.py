@@ -133,7 +133,8 @@ class Unit:
         self.bindings = tuple(tuple(b) for b in bindings)
         """Per slot, every ``(module, attribute)`` that holds the parameter (tied ones hold it twice)."""
         self._slots = tuple((i, mod._parameters, attr) for i, slots in enumerate(self.bindings) for mod, attr in slots)
-        """The bindings as ``(slot, the module's parameter table, attribute)``: what installing walks."""
+        """The bindings as ``(slot, parameter table, attribute)``: what installing walks."""
+
         self.strategy = strategy
         self.groups = groups
         """The unit's own groups: hybrid units use the shard/replicate groups, the others the world."""
@@ -145,8 +146,7 @@ class Unit:
         self.views: list[torch.Tensor] | None = None
         """The views of the unsharded buffer the modules hold while the unit computes, else ``None``."""
         self._forward_views: list[torch.Tensor] | None = None
-        """The views the last forward of this step made: the backward installs them again (their storage
-        is the same buffer, gathered again) instead of making new ones."""
+        """This step's forward views: backward installs them again (same storage) rather than new ones."""
         self.views_version = 0
         """The unsharded buffer's version counter when the views were last known good."""
         self.gathered_versions: tuple[int, ...] = ()
@@ -366,8 +366,7 @@ class Unit:
         self.unshard()
         if self.views is None:
             # See [Note: recomputation in backward]: checkpointing inside the unit's forward reads
-            # the module attributes again, with no forward hook of ours around it. The forward's
-            # own views serve: their gradients reach the flat leaf as any new view's would.
+            # the module attributes again, with no forward hook of ours around it (the forward's views serve).
             self._install_views(self._forward_views)
         self.training_state = TrainingState.PRE_BACKWARD
         self.hook_seconds += time.perf_counter() - started
@@ -379,8 +378,7 @@ class Unit:
         started = time.perf_counter()
         grad = leaf.grad
         leaf.grad = None
-        # The parameters are done with: free them before the reduction allocates its buffers.
-        self.reshard()
+        self.reshard()  # the parameters are done with: freed before the reduction allocates its buffers
         self.reduction.reduce(grad, self.runtime.sync_mode, overlap=self.runtime.overlap_grads)
         self.training_state = TrainingState.POST_BACKWARD
         self.hook_seconds += time.perf_counter() - started
