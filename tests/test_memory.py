@@ -38,10 +38,18 @@ STRATEGIES = [s.name for s in ShardingStrategy]
 SETTINGS = [(1, True), (1, False), (0, False)]  # (prefetch, overlap_grads)
 CASES = [(s, p, o) for s in STRATEGIES for p, o in SETTINGS]
 # [Note: per-rank excursions]
-# The formula holds on the median rank of every case (0.94-1.08x measured). In some runs a single
-# rank of a case peaks higher, up to 1.16x (seen once each in FULL_SHARD prefetch 1 and
-# SHARD_GRAD_OP prefetch 0, both without overlap, with the other three ranks at 0.97x / 1.04x); the
-# cause was not found. So the median rank is held to 10 % and every rank to 25 %.
+# Without overlap, the median rank of every case is at 0.93-0.99x of the formula (6 runs). In some
+# runs a single rank of a case peaks higher: 1.07x and 1.09x in 6 runs (FULL_SHARD and SHARD_GRAD_OP,
+# prefetch 1), 1.16x once in an earlier version of the formula; the cause was not found. So the
+# median rank is held to 10 % and every rank to 25 %.
+# [Note: the gradient in flight]
+# With ``overlap_grads`` the formula counts the previous unit's gradient as alive until its
+# reduce-scatter is done, on the communication thread. Whether it still is at the next unit's peak
+# is a race: the thread drops it as soon as it is scattered, and on 2 cores it often wins. In 6 runs
+# a rank of HYBRID_SHARD peaked at 0.90x-0.98x of the formula, FULL_SHARD at 0.86x-1.06x (two of
+# four HYBRID_SHARD ranks at 0.899x in one CI run). The planner keeps the upper bound, so an
+# overlapped case is held between the formula without that gradient (the race won) and the formula
+# with it (the race lost).
 ASSERTED = list(range(len(CASES)))
 
 
@@ -257,24 +265,33 @@ def predicted(strategy: str, prefetch: int, overlap: bool, got: dict) -> int:
     return memory(s, shard_size, model=spec, prefetch=prefetch, overlap_grads=overlap).total
 
 
-def ratios(measured) -> dict[tuple[str, int, bool], list[float]]:
+def ratios(measured, overlap: bool | None = None) -> dict[tuple[str, int, bool], list[float]]:
+    """Measured / formula per rank; ``overlap`` overrides the case's own setting in the formula."""
     results, activations = measured
-    return {case: [r[i]["peak"] / (predicted(*case, r[i]) + activations) for r in results]
+    return {case: [r[i]["peak"] / (predicted(*case[:2], case[2] if overlap is None else overlap, r[i]) + activations)
+                   for r in results]
             for i, case in enumerate(CASES)}
+
+
+def _median_pair(values: list[float]) -> list[float]:
+    return sorted(values)[len(values) // 2 - 1 : len(values) // 2 + 1]
 
 
 @pytest.mark.parametrize("index", ASSERTED, ids=[
     f"{CASES[i][0]}-p{CASES[i][1]}-{'overlap' if CASES[i][2] else 'sync'}" for i in ASSERTED])
 def test_peak_within_ten_percent_of_the_formula(measured, index):
-    """The median rank within 10 % of the formula, every rank within 25 %; see [Note: per-rank excursions]."""
+    """The median rank within 10 % of the formula, every rank within 25 %; see [Note: per-rank
+    excursions]. Overlapped cases are bounded below by the formula without the gradient in flight;
+    see [Note: the gradient in flight]."""
     case = CASES[index]
-    got = ratios(measured)[case]
-    print(case, [round(r, 3) for r in got])
-    middle = sorted(got)[len(got) // 2 - 1 : len(got) // 2 + 1]
-    assert all(0.90 <= r <= 1.10 for r in middle), (case, got)
-    for rank, ratio in enumerate(got):
+    high = ratios(measured)[case]  # against the formula with everything it counts
+    low = ratios(measured, overlap=False)[case]  # the same, less the gradient in flight
+    print(case, [round(r, 3) for r in high], [round(r, 3) for r in low])
+    assert all(r <= 1.10 for r in _median_pair(high)), (case, high)
+    assert all(r >= 0.90 for r in _median_pair(low)), (case, low)
+    for rank, (hi, lo) in enumerate(zip(high, low)):
         row = measured[0][rank][index]
-        assert 0.85 <= ratio <= 1.25, (case, rank, ratio, row["peak"], row["alive_at_peak"])
+        assert lo >= 0.85 and hi <= 1.25, (case, rank, lo, hi, row["peak"], row["alive_at_peak"])
 
 
 def test_the_communication_thread_allocates_nothing(measured):
