@@ -88,9 +88,10 @@ class StepBytes(LiveTensorBytes):
     Autograd adds a second gradient for one tensor into the first *in place* when nothing else
     holds the first (``InputBuffer::accumulate``); under any Python dispatch mode the tensor's
     Python object counts as a holder, so the engine adds out of place and three buffers are alive
-    where two would be. Each flat leaf gets one padded-size gradient per parameter view
-    (``slice_backward``), so this matters here: an ``add.Tensor`` outside grad mode whose first
-    input is such an accumulation buffer of the output's size is counted as reusing it.
+    where two would be. A tensor used twice gets two gradients (here, in the blocks' residual path;
+    a flat leaf whose views were slices, ``slice_backward``, got one per parameter before its views
+    came from one split): an ``add.Tensor`` outside grad mode whose first input is such an
+    accumulation buffer of the output's size is counted as reusing it.
     """
 
     _ACCUMULATORS = ("aten.slice_backward.default", "aten.add.Tensor")

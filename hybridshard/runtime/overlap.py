@@ -198,9 +198,9 @@ class GradReducer(Executor):
         """
         for earlier in self._jobs:
             # At most one unsharded gradient in flight besides this one: the previous unit's
-            # reduce-scatter had this unit's whole backward to finish. Dropped here, before this
-            # one's buffers exist, and not on the thread, so the memory returns on the thread
-            # that took it.
+            # reduce-scatter had this unit's whole backward to finish. The thread drops it once
+            # scattered; if it has not got there yet, it is waited for and dropped here, before
+            # this one's buffers exist.
             earlier.release_full()
         first = issue_first() or C.DONE
         job = GradJob(unit, full, shard, first, finish)
