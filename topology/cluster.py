@@ -5,7 +5,7 @@ planner and the reports can be tested with recorded probes; ``gather_cluster`` i
 feeds it.
 
 [Note: nodes are discovered, not computed]
-A rank's node is the node name its own probe reports (the hostname, or ``HYBRIDSHARD_NODE_NAME``),
+A rank's node is the node name its own probe reports (the machine, or ``HYBRIDSHARD_NODE_NAME``),
 never ``rank // local_world_size``. torchrun hands out global ranks in blocks per agent, but SLURM's
 ``cyclic`` distribution, custom launchers and elastic restarts do not; grouping by reported identity
 makes every later step correct for any rank order. The view records what it finds (ranks that are
@@ -59,6 +59,7 @@ def assemble_cluster(probes: Sequence[RankProbe]) -> ClusterView:
                     gpu_index=gpu.index if gpu is not None else None,
                     cuda_visible_devices=p.cuda_visible_devices,
                     cpu_affinity=p.cpu_affinity,
+                    hostname=p.node.hostname,
                 )
             )
         local_ranks = [e.local_rank for e in entries]

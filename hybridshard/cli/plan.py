@@ -16,14 +16,16 @@ from hybridshard.planning import sizing
 from hybridshard.planning.format import parse_bytes, parse_count, render_text, to_dict
 from hybridshard.topology.planner import DOMAINS, format_plan, plan_groups
 from hybridshard.topology.records import ClusterView
-from hybridshard.topology.synthetic import LAYOUTS, NVLINK_SHAPES, synthetic_cluster
+from hybridshard.topology.synthetic import LAYOUTS, NVLINK_SHAPES, replicated_cluster, synthetic_cluster
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="show the shard/replicate group plan of a cluster", description=__doc__)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--from", dest="source", metavar="JSON", help="a saved cluster view (JSON file)")
-    src.add_argument("--nodes", type=int, default=2, help="synthetic cluster: number of nodes (default 2)")
+    src.add_argument("--from-smi", metavar="FILE",
+                     help="plan --nodes copies of the machine whose `nvidia-smi topo -m` output is in FILE")
+    p.add_argument("--nodes", type=int, default=2, help="number of nodes (synthetic or --from-smi; default 2)")
     p.add_argument(
         "--gpus-per-node", type=int, nargs="+", default=[8], metavar="N",
         help="synthetic cluster: GPUs (= ranks) per node; one number, or one per node (default 8)",
@@ -77,6 +79,10 @@ def _load(path: str) -> ClusterView:
 def _cluster(args: argparse.Namespace) -> ClusterView:
     if args.source:
         return _load(args.source)
+    if args.from_smi:
+        from hybridshard.topology.smi import read_topo_matrix
+
+        return replicated_cluster(read_topo_matrix(args.from_smi), args.nodes, layout=args.layout)
     counts = args.gpus_per_node
     if len(counts) not in (1, args.nodes):
         raise ValueError(f"--gpus-per-node takes one count or one per node ({args.nodes}); got {len(counts)} values")
