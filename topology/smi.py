@@ -14,7 +14,8 @@ whitespace-separated tokens, never by tab count:
   ``NODE``, ``SYS``; older drivers wrote ``SOC`` for ``SYS``), then the named columns. A named cell
   may be blank (e.g. ``NUMA Affinity`` on a VM); when a row has fewer named tokens than the header,
   each token goes to the named column whose header starts nearest to it once tabs are expanded to
-  8 columns, which is how nvidia-smi aligned them;
+  8 columns, which is how nvidia-smi aligned them (a tie goes to the later column: a blank cell
+  still ends in a tab, which pushes the next value halfway);
 * ``NIC Legend:`` maps ``NIC#`` columns to device names (``NIC0: mlx5_0``); without it the column
   names stay.
 
@@ -154,15 +155,14 @@ def _row(
 
 def _by_position(line: str, header: str, named: list[str], rest: list[str]) -> dict[str, str]:
     """Blank named cells: give each token the named column whose header starts nearest to it."""
-    wide_header, wide_line = header.expandtabs(8), line.expandtabs(8)
+    wide_header = header.expandtabs(8)
     starts = [wide_header.find(n) for n in named]
+    spans = [m.start() for m in re.finditer(r"\S+", line.expandtabs(8))][-len(rest):]
     out: dict[str, str] = {}
-    pos, first_free = 0, 0
-    for token in rest:
-        at = wide_line.find(token, pos)
-        pos = at + len(token)
-        best = min(range(first_free, len(named)), key=lambda i: abs(starts[i] - at))
-        best = min(best, len(named) - (len(rest) - len(out)))  # leave a column for every later token
+    first_free = 0
+    for k, (token, at) in enumerate(zip(rest, spans)):
+        best = min(range(first_free, len(named)), key=lambda i: (abs(starts[i] - at), -i))  # a tie: the later
+        best = min(best, len(named) - (len(rest) - k))  # leave a column for every later token
         out[named[best]] = token
         first_free = best + 1
     return out
@@ -173,6 +173,8 @@ def _check_matrix(columns: list[str], rows: dict[str, tuple[int, list[str], dict
         lineno, cells, _ = rows[a]
         if cells[i] != "X":
             raise ValueError(f"line {lineno}: expected X where row {a} meets column {a}, found {cells[i]!r}")
+    for i, a in enumerate(columns):
+        lineno, cells, _ = rows[a]
         for j, b in enumerate(columns):
             if i != j and cells[j] == "X":
                 raise ValueError(f"line {lineno}: expected X only on the diagonal, found it at {a}/{b}")
