@@ -62,9 +62,12 @@ def assemble_cluster(probes: Sequence[RankProbe]) -> ClusterView:
                     hostname=p.node.hostname,
                 )
             )
-        local_ranks = [e.local_rank for e in entries]
+        local_ranks = [(e.hostname, e.local_rank) for e in entries]
         if len(set(local_ranks)) != len(local_ranks):
-            notes.append(f"node {name!r}: local ranks repeat ({local_ranks}); two launchers may share one node name")
+            notes.append(
+                f"node {name!r}: local ranks repeat ({[lr for _, lr in local_ranks]}) within one hostname; "
+                "two launchers may share one node name"
+            )
         if len({p.node.num_gpus for p in members}) > 1:
             notes.append(f"node {name!r}: its ranks see different GPU counts {[p.node.num_gpus for p in members]}")
         nodes.append(ClusterNode(name=name, probe=node_probe, ranks=tuple(entries)))

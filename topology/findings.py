@@ -138,28 +138,35 @@ def node_findings(probe: NodeProbe) -> list[Finding]:
 
 
 def _identity(cluster: ClusterView) -> list[Finding]:
-    """Hostnames and machines that disagree; see [Note: one machine, one node] in probe.py."""
+    """Hostnames and machines that do not pair one to one; see [Note: one machine, one node] in probe.py."""
+    hosts_of: dict[str, set[str]] = {}
+    machines_of: dict[str, set[str]] = {}
+    names_of: dict[str, set[str]] = {}
+    for node in cluster.nodes:
+        machine = node.probe.machine
+        if machine is None:
+            continue
+        names_of.setdefault(machine, set()).add(node.name)
+        for r in node.ranks:
+            host = r.hostname or node.probe.hostname
+            hosts_of.setdefault(machine, set()).add(host)
+            machines_of.setdefault(host, set()).add(machine)
     out = []
-    for node in cluster.nodes:
-        hosts = sorted({r.hostname for r in node.ranks if r.hostname})
-        if len(hosts) > 1:
-            out.append(
-                f"node {node.name!r} holds ranks of hostnames {', '.join(hosts)}: one machine, so they shard "
-                "together (containers or pods); if they are really separate hosts, set HYBRIDSHARD_NODE_NAME per host"
-            )
-    by_machine: dict[str, list[str]] = {}
-    for node in cluster.nodes:
-        if node.probe.machine:
-            by_machine.setdefault(node.probe.machine, []).append(node.name)
-    for machine, names in by_machine.items():
-        if len(names) > 1:
-            out.append(
-                f"nodes {', '.join(names)} run on one machine ({machine}), kept apart by HYBRIDSHARD_NODE_NAME: right "
-                "for a simulated cluster, otherwise unset it so they shard together"
-            )
-    if not out:
-        return []
-    return [Finding(Level.WARNING, "node_identity", _listed(out))]
+    for machine, hosts in sorted(hosts_of.items()):
+        if len(hosts) < 2:
+            continue
+        names = sorted(names_of[machine])
+        if len(names) == 1:
+            out.append(f"hostnames {', '.join(sorted(hosts))} run on one machine ({machine}) and shard together as "
+                       f"node {names[0]!r} (containers or pods); if they are separate hosts, set HYBRIDSHARD_NODE_NAME")
+        else:
+            out.append(f"hostnames {', '.join(sorted(hosts))} run on one machine ({machine}) yet are nodes "
+                       f"{', '.join(names)} by HYBRIDSHARD_NODE_NAME: right for a simulated cluster, otherwise unset "
+                       "it so that they shard together")
+    for host, machines in sorted(machines_of.items()):
+        if len(machines) > 1:
+            out.append(f"hostname {host!r} is on machines {', '.join(sorted(machines))}: hostnames do not name hosts")
+    return [Finding(Level.WARNING, "node_identity", _listed(out))] if out else []
 
 
 def _heterogeneous(cluster: ClusterView) -> list[Finding]:
@@ -197,8 +204,13 @@ def _non_contiguous(cluster: ClusterView) -> list[Finding]:
 
 
 def _node_name_collision(node: ClusterNode) -> list[Finding]:
-    local = [r.local_rank for r in node.ranks]
-    if len(set(local)) == len(local):
+    # Containers on one machine each count local ranks from 0 (see [Note: one machine, one node]);
+    # only a repeat within one hostname means two launchers that cannot be told apart.
+    by_host: dict[str | None, list[int]] = {}
+    for r in node.ranks:
+        by_host.setdefault(r.hostname, []).append(r.local_rank)
+    local = next((v for v in by_host.values() if len(set(v)) != len(v)), None)
+    if local is None:
         return []
     return [
         Finding(
