@@ -462,3 +462,15 @@ def test_fake_nvml_is_an_nvml_source():
     src = FakeNvml(data)
     src.init()
     assert src.fabric_info(0)["clique_id"] == 32766 and src.nvlink_remote_pci_bus_id(0, 0) is None
+
+
+def test_mixed_models_without_pci_bus_order_are_reported():
+    from hybridshard.topology.records import GpuInfo
+    from hybridshard.topology.visible import ordinal_order_problem
+
+    mixed = [GpuInfo(index=0, name="NVIDIA A100"), GpuInfo(index=1, name="NVIDIA T4")]
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in ordinal_order_problem(None, mixed, None)
+    assert ordinal_order_problem("1,0", mixed, "FASTEST_FIRST") is not None
+    assert ordinal_order_problem("1,0", mixed, "PCI_BUS_ID") is None
+    assert ordinal_order_problem("GPU-aaaa,GPU-bbbb", mixed, None) is None  # UUIDs are never ambiguous
+    assert ordinal_order_problem(None, mixed[:1] * 2, None) is None  # one model: both orders agree

@@ -21,7 +21,7 @@ import psutil
 from hybridshard.topology.gpus import probe_gpus
 from hybridshard.topology.nvml import NvmlSource, PynvmlSource
 from hybridshard.topology.records import NetInterface, NodeProbe, NumaNode, RankProbe
-from hybridshard.topology.visible import resolve_visible_devices
+from hybridshard.topology.visible import ordinal_order_problem, resolve_visible_devices
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,8 @@ def probe_rank(
     node, mig_parents = _probe_node(nvml, Path(sysfs_root), env)
     cuda_visible = env.get("CUDA_VISIBLE_DEVICES")
     visible, problems = resolve_visible_devices(cuda_visible, node.gpus, mig_parents)
-    for problem in problems:
+    order = ordinal_order_problem(cuda_visible, node.gpus, env.get("CUDA_DEVICE_ORDER"))
+    for problem in problems + ((order,) if order else ()):
         logger.warning("rank %d: CUDA_VISIBLE_DEVICES: %s", rank, problem)
     try:
         affinity = tuple(sorted(os.sched_getaffinity(0)))
