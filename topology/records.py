@@ -56,8 +56,9 @@ class NetInterface:
     name: str
     speed_mbps: int | None = None
     """Link speed as the kernel reports it; ``None`` when unknown (virtual links report none)."""
-    is_up: bool = False
-    is_rdma: bool = False
+    is_up: bool | None = False
+    """``None`` when unknown (a NIC read from ``nvidia-smi topo -m``)."""
+    is_rdma: bool | None = False
     """True when the interface is backed by an RDMA device (``/sys/class/infiniband``)."""
     rdma_device: str | None = None
     link_layer: str | None = None

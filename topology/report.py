@@ -94,9 +94,9 @@ def render_node(probe: NodeProbe) -> str:
             [
                 [
                     n.name,
-                    "up" if n.is_up else "down",
+                    "unknown" if n.is_up is None else "up" if n.is_up else "down",
                     "unknown" if n.speed_mbps is None else f"{n.speed_mbps / 1000:g} Gb/s",
-                    f"{n.rdma_device} ({n.link_layer or '?'})" if n.is_rdma else "no",
+                    f"{n.rdma_device} ({n.link_layer or '?'})" if n.is_rdma else "unknown" if n.is_rdma is None else "no",
                     n.numa_node,
                     n.mtu,
                 ]

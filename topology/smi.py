@@ -244,6 +244,8 @@ def _node(
         nics.append(
             NetInterface(
                 name=legend.get(column, column),
+                is_up=None,
+                is_rdma=None,
                 numa_node=next(iter(near)) if len(near) == 1 else None,
                 gpu_levels=levels,
             )
