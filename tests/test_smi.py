@@ -115,6 +115,8 @@ def test_five_gpus_one_on_the_other_socket():
     assert [g.numa_node for g in p.gpus] == [1, 0, 0, 0, 0]
     assert p.gpus[0].cpu_affinity == cpus("8-15,24-31") and p.gpus[4].cpu_affinity == cpus("0-7,16-23")
     assert plan(p, "node") == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert find_islands(p).islands == tuple((i,) for i in range(5))
+    assert plan(p, "nvlink") == [[r] for r in range(10)]
     with pytest.raises(ValueError, match="no shard size above 1 tiles every numa domain"):
         plan(p, "numa")
 
@@ -125,6 +127,7 @@ def test_two_sockets_numa_affinity_na():
     assert p.gpus[0].numa_node is None and p.gpus[0].unavailable_map["numa_node"] == "NUMA Affinity is N/A"
     assert p.gpus[1].numa_node == 1
     assert p.gpus[0].cpu_affinity == cpus("0-7,16-23") and p.gpus[1].cpu_affinity == cpus("8-15,24-31")
+    assert plan(p, "node") == [[0, 1], [2, 3]] and plan(p, "nvlink") == [[0], [1], [2], [3]]
     with pytest.raises(ValueError, match="rank 0 .* has neither a GPU with a known NUMA node"):
         plan(p, "numa")
 
@@ -145,6 +148,9 @@ def test_pcie_switches_old_driver_without_numa_column():
     assert [nearest_nics(p, i)[1] for i in range(8)] == ["SYS"] * 4 + ["PHB"] * 4
     far = [f for f in node_findings(p) if f.code == "nic_far"]
     assert len(far) == 1 and "GPU 3 reaches" in far[0].message and "GPU 4" not in far[0].message
+    assert plan(p, "node") == [FIRST_EIGHT, SECOND_EIGHT] and plan(p, "nvlink") == [[r] for r in range(16)]
+    with pytest.raises(ValueError, match="needs each rank's NUMA node"):
+        plan(p, "numa")  # no NUMA column, and the CPU lists are not NUMA nodes: not guessed
 
 
 # -- the same report, plan and binding through the commands ---------------------------------------
@@ -266,3 +272,40 @@ def test_bad_text_is_a_one_line_error_naming_the_line(text, line, what):
         parse_topo_matrix(text)
     message = str(err.value)
     assert "\n" not in message and message.startswith(f"line {line}: ") and what in message, message
+
+
+# The Fabric section as `nvidia-smi -q` prints it (its layout as public tools parse it); values hand-written.
+def query(*fabrics: tuple[str, str, str, str]) -> str:
+    out = []
+    for k, (state, status, clique, uuid) in enumerate(fabrics):
+        out += [f"GPU 00000009:{k:02X}:00.0", "    Product Name                          : NVIDIA GB200",
+                "    Fabric", f"        State                             : {state}",
+                f"        Status                            : {status}",
+                f"        CliqueId                          : {clique}",
+                f"        ClusterUUID                       : {uuid}",
+                "        Health", "            Bandwidth                     : Full",
+                "    Processes                             : None", ""]
+    return "\n".join(out)
+
+
+RACK = "6c3f10a2-1b4e-4b8e-9a57-0d2f3c4b5a69"
+
+
+def test_fabric_section_makes_a_clique_span_nodes(tmp_path, capsys):
+    tray = node("gb200_x4_nv18")
+    from hybridshard.topology.smi import apply_fabric
+
+    racked = apply_fabric(tray, query(*[("Completed", "Success", "32766", RACK)] * 4))
+    assert {(g.fabric_cluster_uuid, g.fabric_clique_id) for g in racked.gpus} == {(RACK, 32766)}
+    # Every copy reports the same clique: one NVLink domain across both nodes.
+    assert plan(racked, "nvlink") == [list(range(8))]
+    assert plan(tray, "nvlink") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    alone = apply_fabric(tray, query(*[("In Progress", "N/A", "N/A", "N/A")] * 4))
+    assert alone.gpus[0].fabric_cluster_uuid is None and "In Progress" in alone.gpus[0].unavailable_map["fabric"]
+    with pytest.raises(ValueError, match=r"^line 3: expected one Fabric section per GPU \(4\), found 1"):
+        apply_fabric(tray, query(("Completed", "Success", "1", RACK)))
+    q = tmp_path / "q.txt"
+    q.write_text(query(*[("Completed", "Success", "7", RACK)] * 4))
+    path = str(SMI / "gb200_x4_nv18.txt")
+    assert main(["plan", "--from-smi", path, "--smi-query", str(q), "--nodes", "2", "--domain", "nvlink", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["shard_groups"] == [list(range(8))]

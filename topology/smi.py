@@ -20,6 +20,7 @@ whitespace-separated tokens, never by tab count:
   names stay.
 
 A truncated, misaligned or non-matrix text is a ``ValueError`` naming the line; nothing is guessed.
+The ``Fabric`` sections of ``nvidia-smi -q`` add the multi-node NVLink clique (:func:`apply_fabric`).
 Facts the text does not hold (UUIDs, PCI ids, memory, per-link NVLink state, NIC speed) are recorded
 as unavailable, as a failed NVML query would be (see [Note: failure is data]).
 """
@@ -33,7 +34,7 @@ from typing import Sequence
 from hybridshard.topology.probe import parse_cpu_list
 from hybridshard.topology.records import GpuInfo, NetInterface, NodeProbe, NumaNode
 
-__all__ = ["LEVELS", "nearest_nics", "parse_topo_matrix", "read_topo_matrix"]
+__all__ = ["LEVELS", "apply_fabric", "nearest_nics", "parse_topo_matrix", "read_topo_matrix"]
 
 LEVELS = ("PIX", "PXB", "PHB", "NODE", "SYS")
 """PCIe levels, nearest first (``nvidia-smi topo -m``'s legend)."""
@@ -44,20 +45,73 @@ _LEGEND_ENTRY = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
 _FROM = "not in nvidia-smi topo -m"
 
 
-def read_topo_matrix(path: str, *, node_name: str | None = None) -> NodeProbe:
-    """:func:`parse_topo_matrix` of a file; ``node_name`` defaults to the file's base name."""
-    import os
-
+def _read(path: str, what: str) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
+            return f.read()
     except OSError as err:
-        raise ValueError(f"--from-smi {path!r}: expected a readable file with `nvidia-smi topo -m` output; {err}") from err
+        raise ValueError(f"{path!r}: expected a readable file with {what}; {err}") from err
+
+
+def read_topo_matrix(path: str, *, node_name: str | None = None, query_path: str | None = None) -> NodeProbe:
+    """:func:`parse_topo_matrix` of a file; ``node_name`` defaults to the file's base name. With
+    ``query_path`` (``nvidia-smi -q`` output) its Fabric sections are applied (:func:`apply_fabric`)."""
+    import os
+
     name = node_name or os.path.splitext(os.path.basename(path))[0]
     try:
-        return parse_topo_matrix(text, node_name=name)
+        probe = parse_topo_matrix(_read(path, "`nvidia-smi topo -m` output"), node_name=name)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
+    if query_path is None:
+        return probe
+    try:
+        return apply_fabric(probe, _read(query_path, "`nvidia-smi -q` output"))
+    except ValueError as err:
+        raise ValueError(f"{query_path}: {err}") from None
+
+
+_ZERO_UUID = "00000000-0000-0000-0000-000000000000"
+
+
+def apply_fabric(probe: NodeProbe, query_text: str) -> NodeProbe:
+    """``probe`` with each GPU's multi-node NVLink fabric (cluster UUID, clique) from the ``Fabric``
+    sections of ``nvidia-smi -q``, one per GPU in GPU order; a GPU whose fabric is not registered
+    records why, as NVML discovery does."""
+    blocks: list[tuple[int, dict[str, str]]] = []
+    depth = None  # indentation of the open Fabric line; the section ends at a line not deeper
+    for lineno, line in enumerate(query_text.splitlines(), start=1):
+        indent = len(line) - len(line.lstrip())
+        if line.strip() == "Fabric":
+            depth = indent
+            blocks.append((lineno, {}))
+        elif depth is not None and line.strip() and indent <= depth:
+            depth = None
+        elif depth is not None:
+            key, sep, value = line.partition(":")
+            if sep and key.strip() in ("State", "Status", "CliqueId", "ClusterUUID"):
+                blocks[-1][1][key.strip()] = value.strip()
+    if len(blocks) != probe.num_gpus:
+        raise ValueError(
+            f"line {blocks[-1][0] if blocks else 1}: expected one Fabric section per GPU ({probe.num_gpus}), "
+            f"found {len(blocks)}; pass the whole output of `nvidia-smi -q`"
+        )
+    gpus = []
+    for gpu, (lineno, fields) in zip(probe.gpus, blocks):
+        missing = dict(gpu.unavailable)
+        state, status = fields.get("State", "N/A"), fields.get("Status", "N/A")
+        uuid, clique = fields.get("ClusterUUID", "N/A"), fields.get("CliqueId", "N/A")
+        if state != "Completed" or status != "Success":
+            missing["fabric"] = "not supported" if state == "N/A" else f"fabric registration {state}, status {status}"
+            gpus.append(replace(gpu, unavailable=tuple(sorted(missing.items()))))
+            continue
+        if uuid in ("N/A", _ZERO_UUID) or not clique.isdigit():
+            raise ValueError(
+                f"line {lineno}: expected a ClusterUUID and a numeric CliqueId for a registered fabric, "
+                f"found {uuid!r} and {clique!r}"
+            )
+        gpus.append(replace(gpu, fabric_cluster_uuid=uuid, fabric_clique_id=int(clique)))
+    return replace(probe, gpus=tuple(gpus))
 
 
 def parse_topo_matrix(text: str, *, node_name: str = "smi") -> NodeProbe:

@@ -26,6 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--from-smi", metavar="FILE",
                      help="plan --nodes copies of the machine whose `nvidia-smi topo -m` output is in FILE")
     p.add_argument("--nodes", type=int, default=2, help="number of nodes (synthetic or --from-smi; default 2)")
+    p.add_argument("--smi-query", metavar="FILE",
+                   help="with --from-smi: the machine's `nvidia-smi -q` output, for its multi-node NVLink Fabric")
     p.add_argument(
         "--gpus-per-node", type=int, nargs="+", default=[8], metavar="N",
         help="synthetic cluster: GPUs (= ranks) per node; one number, or one per node (default 8)",
@@ -82,7 +84,8 @@ def _cluster(args: argparse.Namespace) -> ClusterView:
     if args.from_smi:
         from hybridshard.topology.smi import read_topo_matrix
 
-        return replicated_cluster(read_topo_matrix(args.from_smi), args.nodes, layout=args.layout)
+        node = read_topo_matrix(args.from_smi, query_path=args.smi_query)
+        return replicated_cluster(node, args.nodes, layout=args.layout)
     counts = args.gpus_per_node
     if len(counts) not in (1, args.nodes):
         raise ValueError(f"--gpus-per-node takes one count or one per node ({args.nodes}); got {len(counts)} values")

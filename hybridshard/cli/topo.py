@@ -45,6 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--from-smi", metavar="FILE",
                    help="report the machine whose `nvidia-smi topo -m` output is in FILE instead of this one")
+    p.add_argument("--smi-query", metavar="FILE",
+                   help="with --from-smi: that machine's `nvidia-smi -q` output, for its multi-node NVLink Fabric")
     p.add_argument(
         "--cluster",
         action="store_true",
@@ -110,7 +112,7 @@ def _run_smi(args: argparse.Namespace) -> int:
         print("error: --from-smi reports one machine from its text; drop --cluster and --bandwidth", file=sys.stderr)
         return EXIT_USAGE
     try:
-        probe = read_topo_matrix(args.from_smi)
+        probe = read_topo_matrix(args.from_smi, query_path=args.smi_query)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
