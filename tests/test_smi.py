@@ -309,3 +309,30 @@ def test_fabric_section_makes_a_clique_span_nodes(tmp_path, capsys):
     path = str(SMI / "gb200_x4_nv18.txt")
     assert main(["plan", "--from-smi", path, "--smi-query", str(q), "--nodes", "2", "--domain", "nvlink", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["shard_groups"] == [list(range(8))]
+
+
+def test_a_gpu_whose_nvlinks_fail_is_its_own_island_and_said_so(tmp_path):
+    """NVML discovery (hand-written HGX H100 fixture) with GPU 2's NVLink queries failing: the report
+    names it, and an NVLink plan cannot hide it inside a group."""
+    from hybridshard.topology.nvml_recorded import FakeNvml
+    from hybridshard.topology.probe import probe_node
+    from hybridshard.topology.report import render_node
+
+    nvml = FakeNvml.from_file(Path(__file__).parent / "fixtures" / "nvml" / "dgx_h100_nvswitch.json",
+                              fail={"nvlink_state:2": "Unknown Error"})
+    probe = probe_node(nvml, sysfs_root=tmp_path, env={"HYBRIDSHARD_NODE_NAME": "hgx"})
+    assert find_islands(probe).islands == ((0, 1, 3, 4, 5, 6, 7), (2,))
+    (finding,) = node_findings(probe)
+    assert finding.code == "nvlink_island" and "GPU 2 has no NVLink to any other GPU" in finding.message
+    assert "NVLink islands: {0,1,3,4,5,6,7} {2}" in render_node(probe)
+    with pytest.raises(ValueError, match="no shard size above 1 tiles every nvlink domain"):
+        plan(probe, "nvlink")
+
+
+def test_uneven_island_is_a_finding():
+    # Hand-written: GPU 2 joined by NV12 where the others have NV18.
+    rows = [["X" if i == j else ("NV12" if 2 in (i, j) else "NV18") for j in range(4)] for i in range(4)]
+    text = "      GPU0  GPU1  GPU2  GPU3\n" + "\n".join(f"GPU{i}  " + "  ".join(r) for i, r in enumerate(rows))
+    notes = find_islands(parse_topo_matrix(text)).notes
+    assert notes == ("uneven NVLink island {0,1,2,3}: GPU 2 has 36 NVLinks to it, the others 48; "
+                     "the weakest GPU sets the pace of its rings",)
