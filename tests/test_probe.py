@@ -474,3 +474,16 @@ def test_mixed_models_without_pci_bus_order_are_reported():
     assert ordinal_order_problem("1,0", mixed, "PCI_BUS_ID") is None
     assert ordinal_order_problem("GPU-aaaa,GPU-bbbb", mixed, None) is None  # UUIDs are never ambiguous
     assert ordinal_order_problem(None, mixed[:1] * 2, None) is None  # one model: both orders agree
+
+
+def test_gpus_on_a_numa_node_without_rdma_nic_are_a_finding(tmp_path):
+    from hybridshard.topology.findings import node_findings
+
+    root = fake_sysfs(tmp_path / "sys", HOST_NUMA["dgx_h100_nvswitch"], ib={"mlx5_0": {"numa": 0}})
+    node = probe_node(fake("dgx_h100_nvswitch"), sysfs_root=root, env={"HYBRIDSHARD_NODE_NAME": "n"})
+    (finding,) = node_findings(node)
+    assert finding.code == "nic_far"
+    assert "GPU 4 on NUMA node 1, NICs on [0]" in finding.message and "GPU 3" not in finding.message
+    both = fake_sysfs(tmp_path / "sys2", HOST_NUMA["dgx_h100_nvswitch"],
+                      ib={"mlx5_0": {"numa": 0}, "mlx5_1": {"numa": 1}})
+    assert node_findings(probe_node(fake("dgx_h100_nvswitch"), sysfs_root=both, env={})) == []

@@ -119,7 +119,7 @@ def node_findings(probe: NodeProbe) -> list[Finding]:
     far = []
     for g in probe.gpus:
         levels = [n.gpu_levels[g.index] for n in probe.nics if g.index < len(n.gpu_levels)]
-        numas = {n.numa_node for n in probe.nics if n.numa_node is not None}
+        numas = {n.numa_node for n in probe.nics if n.is_rdma and n.numa_node is not None}  # the job's NICs
         if levels and all(lv == "SYS" for lv in levels):
             far.append(f"GPU {g.index} reaches every NIC through the socket link (SYS)")
         elif not levels and numas and g.numa_node is not None and g.numa_node not in numas:
