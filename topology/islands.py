@@ -11,8 +11,9 @@ with no NVLink are islands of one. The same test is applied to every planned ``n
 (see :func:`has_ring`), so no group silently holds a PCIe hop.
 
 Only components of up to :data:`MAX_RING_SEARCH` GPUs are searched for a ring; a larger component
-counts as an island when every pair is joined (NVSwitch), and is otherwise split into single GPUs
-with a note.
+counts as an island when every pair is joined (NVSwitch). A component without a ring is split only
+up to :data:`MAX_SPLIT_SEARCH` GPUs (the search tries its subsets); a larger one becomes single GPUs.
+Either way the note says so.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from hybridshard.topology.records import NodeProbe
 __all__ = ["MAX_RING_SEARCH", "NvlinkIslands", "find_islands", "has_ring", "nvlink_graph"]
 
 MAX_RING_SEARCH = 12
+MAX_SPLIT_SEARCH = 8
 
 Graph = Mapping[int, Mapping[int, int]]
 
@@ -103,13 +105,20 @@ def _components(graph: Graph) -> list[list[int]]:
     return out
 
 
+def _may_ring(members: Sequence[int], graph: Graph) -> bool:
+    """Cheap necessary condition: three or more GPUs need two NVLink neighbours each among them."""
+    return len(members) < 3 or all(sum(1 for p in graph[g] if p in members) >= 2 for g in members)
+
+
 def _split(comp: list[int], graph: Graph) -> list[tuple[int, ...]]:
-    if len(comp) > MAX_RING_SEARCH:
+    if len(comp) > MAX_SPLIT_SEARCH:
         return [(g,) for g in comp]
     left, out = list(comp), []
     while left:
         for size in range(len(left), 0, -1):
-            found = next((s for s in itertools.combinations(left, size) if has_ring(s, graph)), None)
+            found = next(
+                (s for s in itertools.combinations(left, size) if _may_ring(s, graph) and has_ring(s, graph)), None
+            )
             if found is not None:
                 out.append(tuple(found))
                 left = [g for g in left if g not in found]
