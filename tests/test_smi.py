@@ -180,6 +180,14 @@ def test_launch_dry_run_shows_binding_and_nearest_nic(capsys):
     assert "it needs --dry-run" in capsys.readouterr().err
 
 
+def test_plan_from_smi_sizes_a_model_with_the_given_memory(capsys):
+    path = str(SMI / "h100x4_nv6_numa_per_gpu.txt")
+    assert main(["plan", "--from-smi", path, "--nodes", "2", "--model-params", "7B"]) == 2
+    assert "needs --gpu-memory" in capsys.readouterr().err
+    assert main(["plan", "--from-smi", path, "--nodes", "2", "--model-params", "7B", "--gpu-memory", "80GB"]) == 0
+    assert "cluster: 2 nodes x 4 GPUs = 8 ranks; 80.0 GB per GPU" in capsys.readouterr().out
+
+
 def test_topo_from_smi_json_and_bad_file(tmp_path, capsys):
     assert main(["topo", "--from-smi", str(SMI / "rtx4090x8_pcie_sys.txt"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -102,6 +102,9 @@ def _gpu_memory(args: argparse.Namespace, cluster: ClusterView) -> int:
     """``--gpu-memory``, else the smallest GPU the cluster view records, else 80GB."""
     if args.gpu_memory is not None:
         return parse_bytes(args.gpu_memory)
+    if args.from_smi:
+        raise ValueError("--model-params with --from-smi needs --gpu-memory (nvidia-smi topo -m does not show "
+                         "GPU memory), e.g. --gpu-memory 80GB")
     found = [g.memory_total_bytes for n in cluster.nodes for g in n.probe.gpus if g.memory_total_bytes]
     return min(found) if found else parse_bytes(_DEFAULT_GPU_MEMORY)
 
