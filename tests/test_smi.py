@@ -239,8 +239,7 @@ def test_a_chain_is_not_an_island_and_no_group_hides_a_pcie_hop():
 
 
 def test_ring_check_refuses_a_slice_without_ring():
-    # 0-1-2-3-0 is a ring (one island), but shard size 2 would pair 1 with 2 ... fine, and 0 with 1;
-    # a 4-cycle 0-2-1-3-0 makes the slices {0,1} and {2,3} PCIe pairs.
+    # Hand-written: the 4-cycle 0-2-1-3-0 is one island, but cut in halves it gives the PCIe pairs {0,1}, {2,3}.
     square = "\n".join([
         "      GPU0  GPU1  GPU2  GPU3",
         "GPU0   X    SYS   NV1   NV1",
