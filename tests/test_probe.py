@@ -16,7 +16,7 @@ import pytest
 
 from hybridshard.topology.nvml import NvmlSource, bits_from_words, normalize_pci_bus_id
 from hybridshard.topology.nvml_recorded import FakeNvml, record
-from hybridshard.topology.probe import count_sockets, node_name, parse_cpu_list, probe_nics, probe_node, probe_numa, probe_rank
+from hybridshard.topology.probe import count_sockets, machine_identity, node_name, parse_cpu_list, probe_nics, probe_node, probe_numa, probe_rank
 from hybridshard.topology.records import NodeProbe, RankProbe
 from hybridshard.topology.visible import resolve_visible_devices
 
@@ -173,10 +173,29 @@ def test_recorded_h100_single_gpu_vm(tmp_path):
     assert (node.driver_version, node.cuda_driver_version) == ("580.159.04", 13000)
 
 
-@pytest.mark.parametrize("name", FIXTURE_NAMES)
-def test_recorder_reproduces_every_fixture(name):
-    data = load(name)
-    assert record(FakeNvml(data), description=data["description"]) == data
+# The hand-written fixtures against machines no one here wrote (tests/fixtures/smi/README.md): what
+# discovery makes of them must match what nvidia-smi printed on such a machine.
+
+
+def _smi(name: str) -> NodeProbe:
+    from hybridshard.topology.smi import read_topo_matrix
+
+    return read_topo_matrix(str(Path(__file__).parent / "fixtures" / "smi" / f"{name}.txt"))
+
+
+def test_hand_written_gb200_tray_matches_a_real_gb200_tray(tmp_path):
+    node, real = fixture_node("gb200_nvl72_node", tmp_path), _smi("gb200_x4_nv18")  # NVIDIA/k8s-test-infra#371
+    assert node.gpu_matrix == real.gpu_matrix
+    assert [(g.numa_node, g.cpu_affinity) for g in node.gpus] == [(g.numa_node, g.cpu_affinity) for g in real.gpus]
+
+
+def test_hand_written_dgx_h100_matches_public_h100_matrices(tmp_path):
+    """vllm-project/vllm#6746 and bytedance/flux#14 (8 x H100 80GB HBM3): NV18 between every pair, GPUs
+    4-7 on NUMA node 1 with CPUs 56-111,168-223 (the part of their matrices the sources show in full)."""
+    node = fixture_node("dgx_h100_nvswitch", tmp_path)
+    assert node.gpu_matrix == tuple(tuple("X" if i == j else "NV18" for j in range(8)) for i in range(8))
+    upper = tuple([*range(56, 112), *range(168, 224)])
+    assert [(g.numa_node, g.cpu_affinity) for g in node.gpus[4:]] == [(1, upper)] * 4
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
@@ -327,9 +346,16 @@ def test_sysfs_missing_is_recorded(tmp_path):
     assert node.cpu_sockets is None and "cpu_sockets" in node.unavailable_map
 
 
-def test_node_name_from_env_or_hostname():
+def test_node_name_from_env_or_machine(tmp_path):
     assert node_name({"HYBRIDSHARD_NODE_NAME": "rack3-tray7"}) == "rack3-tray7"
-    assert node_name({}) == socket.gethostname() == node_name({"HYBRIDSHARD_NODE_NAME": "  "})
+    assert node_name({}) == machine_identity() == node_name({"HYBRIDSHARD_NODE_NAME": "  "})
+    boot, mid = tmp_path / "boot_id", tmp_path / "machine-id"
+    boot.write_text("213270bf-2dc6-4eff-9e3f-11f5b6a0019e\n")
+    mid.write_text("3d1219c7c4c5404aaa1f6d2a48adfda4\n")
+    assert machine_identity(str(boot), str(mid)) == "machine-213270bf-3d1219c7"
+    assert machine_identity(str(boot), str(tmp_path / "none")) == "machine-213270bf"  # no machine id: boot id alone
+    assert machine_identity(str(tmp_path / "none"), str(mid)) == "machine-3d1219c7"
+    assert machine_identity(str(tmp_path / "none"), str(tmp_path / "none")) == socket.gethostname()
 
 
 # -- CUDA_VISIBLE_DEVICES ----------------------------------------------------------------------
@@ -436,3 +462,28 @@ def test_fake_nvml_is_an_nvml_source():
     src = FakeNvml(data)
     src.init()
     assert src.fabric_info(0)["clique_id"] == 32766 and src.nvlink_remote_pci_bus_id(0, 0) is None
+
+
+def test_mixed_models_without_pci_bus_order_are_reported():
+    from hybridshard.topology.records import GpuInfo
+    from hybridshard.topology.visible import ordinal_order_problem
+
+    mixed = [GpuInfo(index=0, name="NVIDIA A100"), GpuInfo(index=1, name="NVIDIA T4")]
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in ordinal_order_problem(None, mixed, None)
+    assert ordinal_order_problem("1,0", mixed, "FASTEST_FIRST") is not None
+    assert ordinal_order_problem("1,0", mixed, "PCI_BUS_ID") is None
+    assert ordinal_order_problem("GPU-aaaa,GPU-bbbb", mixed, None) is None  # UUIDs are never ambiguous
+    assert ordinal_order_problem(None, mixed[:1] * 2, None) is None  # one model: both orders agree
+
+
+def test_gpus_on_a_numa_node_without_rdma_nic_are_a_finding(tmp_path):
+    from hybridshard.topology.findings import node_findings
+
+    root = fake_sysfs(tmp_path / "sys", HOST_NUMA["dgx_h100_nvswitch"], ib={"mlx5_0": {"numa": 0}})
+    node = probe_node(fake("dgx_h100_nvswitch"), sysfs_root=root, env={"HYBRIDSHARD_NODE_NAME": "n"})
+    (finding,) = node_findings(node)
+    assert finding.code == "nic_far"
+    assert "GPU 4 on NUMA node 1, NICs on [0]" in finding.message and "GPU 3" not in finding.message
+    both = fake_sysfs(tmp_path / "sys2", HOST_NUMA["dgx_h100_nvswitch"],
+                      ib={"mlx5_0": {"numa": 0}, "mlx5_1": {"numa": 1}})
+    assert node_findings(probe_node(fake("dgx_h100_nvswitch"), sysfs_root=both, env={})) == []

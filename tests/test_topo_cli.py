@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import os
 import socket
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 
 from hybridshard.cli import topo
 from tests.mp import RankPool, node_placement
-from hybridshard.topology.probe import probe_node
+from hybridshard.topology.probe import machine_identity, probe_node
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_VARS = (
@@ -70,7 +71,8 @@ def test_topo_json_names_this_host():
     proc = topo_cli("--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["node_name"] == socket.gethostname() == report["hostname"]
+    assert report["node_name"] == machine_identity() == report["machine"]  # one machine, one node
+    assert report["hostname"] == socket.gethostname()
     assert report["cpu_cores_logical"] == os.cpu_count()
 
 
@@ -85,7 +87,7 @@ def test_topo_text_reports_gpus_or_says_there_are_none():
     proc = topo_cli()
     assert proc.returncode == 0, proc.stderr
     probe = probe_node()
-    assert f"node {socket.gethostname()}" in proc.stdout and "NUMA nodes:" in proc.stdout and "NICs:" in proc.stdout
+    assert f"node {machine_identity()} (hostname {socket.gethostname()})" in proc.stdout and "NUMA nodes:" in proc.stdout and "NICs:" in proc.stdout
     if probe.gpus:
         assert f"GPUs: {probe.num_gpus}" in proc.stdout and "Connections (like nvidia-smi topo -m):" in proc.stdout
     else:
@@ -200,7 +202,8 @@ def test_cluster_errors_exit_non_zero_on_every_rank(pool):
     results = pool.run(topo_on_rank, node_placement(4, 2, "block"), ["--shard-size", "3"])
     assert [code for code, _ in results] == [topo.EXIT_FINDINGS] * 4
     text = results[0][1]
-    assert "cluster: 2 node(s), world size 4" in text and "node0  0-1 (2)" in text
+    assert "cluster: 2 node(s), world size 4" in text
+    assert re.search(rf"node0  {re.escape(socket.gethostname())} +machine-\S+ +0-1 \(2\)", text), text
     assert "plan: none" in text and "[error] plan_failed: no group plan: shard_size=3 does not tile" in text
 
 

@@ -5,7 +5,7 @@ planner and the reports can be tested with recorded probes; ``gather_cluster`` i
 feeds it.
 
 [Note: nodes are discovered, not computed]
-A rank's node is the node name its own probe reports (the hostname, or ``HYBRIDSHARD_NODE_NAME``),
+A rank's node is the node name its own probe reports (the machine, or ``HYBRIDSHARD_NODE_NAME``),
 never ``rank // local_world_size``. torchrun hands out global ranks in blocks per agent, but SLURM's
 ``cyclic`` distribution, custom launchers and elastic restarts do not; grouping by reported identity
 makes every later step correct for any rank order. The view records what it finds (ranks that are
@@ -59,11 +59,15 @@ def assemble_cluster(probes: Sequence[RankProbe]) -> ClusterView:
                     gpu_index=gpu.index if gpu is not None else None,
                     cuda_visible_devices=p.cuda_visible_devices,
                     cpu_affinity=p.cpu_affinity,
+                    hostname=p.node.hostname,
                 )
             )
-        local_ranks = [e.local_rank for e in entries]
+        local_ranks = [(e.hostname, e.local_rank) for e in entries]
         if len(set(local_ranks)) != len(local_ranks):
-            notes.append(f"node {name!r}: local ranks repeat ({local_ranks}); two launchers may share one node name")
+            notes.append(
+                f"node {name!r}: local ranks repeat ({[lr for _, lr in local_ranks]}) within one hostname; "
+                "two launchers may share one node name"
+            )
         if len({p.node.num_gpus for p in members}) > 1:
             notes.append(f"node {name!r}: its ranks see different GPU counts {[p.node.num_gpus for p in members]}")
         nodes.append(ClusterNode(name=name, probe=node_probe, ranks=tuple(entries)))

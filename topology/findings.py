@@ -11,10 +11,11 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from hybridshard.topology.records import ClusterNode, ClusterView, GpuInfo, RankEntry
+from hybridshard.topology.islands import find_islands
+from hybridshard.topology.records import ClusterNode, ClusterView, GpuInfo, NodeProbe, RankEntry
 from hybridshard.topology.visible import resolve_visible_devices
 
-__all__ = ["CODES", "Finding", "Level", "cluster_findings", "format_ranges", "has_errors"]
+__all__ = ["CODES", "Finding", "Level", "cluster_findings", "format_ranges", "has_errors", "node_findings"]
 
 CODES = (
     "heterogeneous_nodes",
@@ -27,6 +28,9 @@ CODES = (
     "cpu_affinity_off_numa",
     "plan_failed",
     "bandwidth",
+    "nvlink_island",
+    "nic_far",
+    "node_identity",
 )
 _MAX_LISTED = 8
 
@@ -94,9 +98,75 @@ def cluster_findings(cluster: ClusterView, plan: Any = None, *, plan_error: str 
         found += _visible_devices(node)
         found += _affinity(node)
     found += _shared_gpus(cluster)
+    found += _identity(cluster)
+    seen_machines: set[tuple] = set()
+    for node in cluster.nodes:  # one report per distinct machine shape, not per node of a uniform cluster
+        shape = (node.probe.gpu_matrix, tuple(n.gpu_levels for n in node.probe.nics))
+        if shape not in seen_machines:
+            seen_machines.add(shape)
+            found += node_findings(node.probe)
     if plan_error is not None:
         found.append(Finding(Level.ERROR, "plan_failed", f"no group plan: {plan_error}"))
     return tuple(sorted(found, key=lambda f: (f.level is not Level.ERROR, CODES.index(f.code))))
+
+
+def node_findings(probe: NodeProbe) -> list[Finding]:
+    """What is irregular inside one node: its NVLink islands and the distance from each GPU to a NIC."""
+    found = [
+        Finding(Level.WARNING, "nvlink_island", f"node {probe.node_name!r}: {note}")
+        for note in find_islands(probe).notes
+    ]
+    far = []
+    for g in probe.gpus:
+        levels = [n.gpu_levels[g.index] for n in probe.nics if g.index < len(n.gpu_levels)]
+        numas = {n.numa_node for n in probe.nics if n.is_rdma and n.numa_node is not None}  # the job's NICs
+        if levels and all(lv == "SYS" for lv in levels):
+            far.append(f"GPU {g.index} reaches every NIC through the socket link (SYS)")
+        elif not levels and numas and g.numa_node is not None and g.numa_node not in numas:
+            far.append(f"GPU {g.index} on NUMA node {g.numa_node}, NICs on {sorted(numas)}")
+    if far:
+        found.append(
+            Finding(
+                Level.WARNING,
+                "nic_far",
+                f"node {probe.node_name!r}: GPU and its nearest NIC on different NUMA nodes ({_listed(far)}). "
+                "Inter-node traffic of these GPUs crosses the CPU interconnect; expect lower replicate-group "
+                "bandwidth (check NCCL_IB_HCA and the NIC placement).",
+            )
+        )
+    return found
+
+
+def _identity(cluster: ClusterView) -> list[Finding]:
+    """Hostnames and machines that do not pair one to one; see [Note: one machine, one node] in probe.py."""
+    hosts_of: dict[str, set[str]] = {}
+    machines_of: dict[str, set[str]] = {}
+    names_of: dict[str, set[str]] = {}
+    for node in cluster.nodes:
+        machine = node.probe.machine
+        if machine is None:
+            continue
+        names_of.setdefault(machine, set()).add(node.name)
+        for r in node.ranks:
+            host = r.hostname or node.probe.hostname
+            hosts_of.setdefault(machine, set()).add(host)
+            machines_of.setdefault(host, set()).add(machine)
+    out = []
+    for machine, hosts in sorted(hosts_of.items()):
+        if len(hosts) < 2:
+            continue
+        names = sorted(names_of[machine])
+        if len(names) == 1:
+            out.append(f"hostnames {', '.join(sorted(hosts))} run on one machine ({machine}) and shard together as "
+                       f"node {names[0]!r} (containers or pods); if they are separate hosts, set HYBRIDSHARD_NODE_NAME")
+        else:
+            out.append(f"hostnames {', '.join(sorted(hosts))} run on one machine ({machine}) yet are nodes "
+                       f"{', '.join(names)} by HYBRIDSHARD_NODE_NAME: right for a simulated cluster, otherwise unset "
+                       "it so that they shard together")
+    for host, machines in sorted(machines_of.items()):
+        if len(machines) > 1:
+            out.append(f"hostname {host!r} is on machines {', '.join(sorted(machines))}: hostnames do not name hosts")
+    return [Finding(Level.WARNING, "node_identity", _listed(out))] if out else []
 
 
 def _heterogeneous(cluster: ClusterView) -> list[Finding]:
@@ -134,8 +204,13 @@ def _non_contiguous(cluster: ClusterView) -> list[Finding]:
 
 
 def _node_name_collision(node: ClusterNode) -> list[Finding]:
-    local = [r.local_rank for r in node.ranks]
-    if len(set(local)) == len(local):
+    # Containers on one machine each count local ranks from 0 (see [Note: one machine, one node]);
+    # only a repeat within one hostname means two launchers that cannot be told apart.
+    by_host: dict[str | None, list[int]] = {}
+    for r in node.ranks:
+        by_host.setdefault(r.hostname, []).append(r.local_rank)
+    local = next((v for v in by_host.values() if len(set(v)) != len(v)), None)
+    if local is None:
         return []
     return [
         Finding(

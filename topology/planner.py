@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from hybridshard.topology.islands import find_islands, has_ring, nvlink_graph
 from hybridshard.topology.records import ClusterNode, ClusterView, RankEntry
 
 __all__ = ["DOMAINS", "Domain", "GroupPlan", "find_domains", "format_plan", "plan_groups"]
@@ -121,31 +122,9 @@ def _gpu_of(node: ClusterNode, entry: RankEntry, domain: str):
 
 
 def _nvlink_islands(node: ClusterNode) -> dict[int, int]:
-    """Map each GPU index of ``node`` to the smallest GPU index of its NVLink island."""
-    gpus = node.probe.gpus
-    parent = {g.index: g.index for g in gpus}
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    def union(a: int, b: int) -> None:
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[max(ra, rb)] = min(ra, rb)
-
-    matrix = node.probe.gpu_matrix
-    for i, gi in enumerate(gpus):
-        for peer in gi.nvlink_peers:
-            if peer in parent:
-                union(gi.index, peer)
-        if i < len(matrix):
-            for j, code in enumerate(matrix[i]):
-                if code.startswith("NV") and j < len(gpus):
-                    union(gi.index, gpus[j].index)
-    return {i: find(i) for i in parent}
+    """Map each GPU index of ``node`` to the smallest GPU index of its NVLink island (see
+    [Note: NVLink islands] in :mod:`hybridshard.topology.islands`)."""
+    return {g: min(island) for island in find_islands(node.probe).islands for g in island}
 
 
 def _nvlink_domains(cluster: ClusterView) -> list[Domain]:
@@ -245,6 +224,8 @@ def plan_groups(cluster: ClusterView, *, shard_size: int | None = None, domain: 
         for k in range(pieces):
             shard_groups.append(d.ranks[k * size : (k + 1) * size])
             labels.append(d.key if pieces == 1 else f"{d.key}#{k}")
+    if domain == "nvlink":
+        _check_rings(cluster, shard_groups, domains, size)
     replicate_groups = tuple(zip(*shard_groups))
     if size == 1:
         notes.append("shard size 1: no sharding; gradients are still all-reduced across every rank")
@@ -257,6 +238,37 @@ def plan_groups(cluster: ClusterView, *, shard_size: int | None = None, domain: 
         replicate_groups=replicate_groups,
         shard_group_domains=tuple(labels),
         notes=tuple(notes),
+    )
+
+
+def _ringless(cluster: ClusterView, groups: list[tuple[int, ...]]) -> list[str]:
+    """Shard groups inside one node whose GPUs have no NVLink ring, described."""
+    out = []
+    for group in groups:
+        nodes = {cluster.node_of(r).name for r in group}
+        if len(nodes) != 1:
+            continue  # a fabric clique: NVLink through switches between every pair
+        node = cluster.node_of(group[0])
+        by_rank = {e.rank: e for e in node.ranks}
+        gpus = [_gpu_of(node, by_rank[r], "nvlink").index for r in group]
+        if not has_ring(gpus, nvlink_graph(node.probe)):
+            out.append(f"ranks {list(group)} on {node.name!r} (GPUs {','.join(map(str, gpus))})")
+    return out
+
+
+def _check_rings(cluster: ClusterView, groups: list[tuple[int, ...]], domains: list[Domain], size: int) -> None:
+    # See [Note: NVLink islands]: an island has a ring, but a slice of it may not.
+    bad = _ringless(cluster, groups)
+    if not bad:
+        return
+    common = functools.reduce(math.gcd, [len(d.ranks) for d in domains])
+    good = [
+        k for k in range(1, common + 1)
+        if common % k == 0 and not _ringless(cluster, [d.ranks[i:i + k] for d in domains for i in range(0, len(d.ranks), k)])
+    ]
+    raise ValueError(
+        f"shard size {size} puts a PCIe hop inside an NVLink shard group: no NVLink ring runs through "
+        f"{'; '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}. Use a shard size with rings ({good}) or domain='node'."
     )
 
 

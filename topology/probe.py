@@ -21,22 +21,48 @@ import psutil
 from hybridshard.topology.gpus import probe_gpus
 from hybridshard.topology.nvml import NvmlSource, PynvmlSource
 from hybridshard.topology.records import NetInterface, NodeProbe, NumaNode, RankProbe
-from hybridshard.topology.visible import resolve_visible_devices
+from hybridshard.topology.visible import ordinal_order_problem, resolve_visible_devices
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["probe_node", "probe_rank", "node_name", "probe_numa", "probe_nics", "parse_cpu_list", "count_sockets"]
+__all__ = [
+    "probe_node", "probe_rank", "node_name", "machine_identity", "probe_numa", "probe_nics", "parse_cpu_list",
+    "count_sockets",
+]
 
 NODE_NAME_ENV = "HYBRIDSHARD_NODE_NAME"
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+MACHINE_ID = "/etc/machine-id"
 
 T = TypeVar("T")
 
 
+def machine_identity(boot_id_path: str = BOOT_ID, machine_id_path: str = MACHINE_ID) -> str:
+    """This physical machine: ``machine-<boot id>[-<machine id>]`` (8 hex digits of each), else the hostname.
+
+    [Note: one machine, one node]
+    Containers (Kubernetes pods, Docker) on one machine each have their own hostname, yet share one
+    kernel, its GPUs and NVLinks: they must shard together. The kernel's boot id is the same in every
+    container and network namespace of a machine and differs between machines (it is drawn at boot);
+    ``/etc/machine-id`` breaks the tie between VMs restored from one snapshot, which can share a boot
+    id. A container image that carries its own machine id splits its pods from the host's; set
+    ``HYBRIDSHARD_NODE_NAME`` (e.g. to the Kubernetes node name) where that matters: it always wins.
+    """
+    def first_hex(path: str) -> str:
+        text = _read(Path(path)) or ""
+        return "".join(c for c in text.lower() if c in "0123456789abcdef")[:8]
+
+    boot, machine = first_hex(boot_id_path), first_hex(machine_id_path)
+    if not boot:
+        return f"machine-{machine}" if machine else socket.gethostname()
+    return f"machine-{boot}" + (f"-{machine}" if machine else "")
+
+
 def node_name(env: Mapping[str, str] | None = None) -> str:
-    """Node identity: ``HYBRIDSHARD_NODE_NAME`` when set (containers sharing a hostname, simulated
-    nodes), else the hostname."""
+    """Node identity: ``HYBRIDSHARD_NODE_NAME`` when set (simulated nodes on one machine), else the
+    machine (see [Note: one machine, one node])."""
     env = os.environ if env is None else env
-    return env.get(NODE_NAME_ENV, "").strip() or socket.gethostname()
+    return env.get(NODE_NAME_ENV, "").strip() or machine_identity()
 
 
 def probe_node(
@@ -74,7 +100,8 @@ def probe_rank(
     node, mig_parents = _probe_node(nvml, Path(sysfs_root), env)
     cuda_visible = env.get("CUDA_VISIBLE_DEVICES")
     visible, problems = resolve_visible_devices(cuda_visible, node.gpus, mig_parents)
-    for problem in problems:
+    order = ordinal_order_problem(cuda_visible, node.gpus, env.get("CUDA_DEVICE_ORDER"))
+    for problem in problems + ((order,) if order else ()):
         logger.warning("rank %d: CUDA_VISIBLE_DEVICES: %s", rank, problem)
     try:
         affinity = tuple(sorted(os.sched_getaffinity(0)))
@@ -109,6 +136,7 @@ def _probe_node(nvml: NvmlSource | None, root: Path, env: Mapping[str, str] | No
     node = NodeProbe(
         node_name=node_name(env),
         hostname=socket.gethostname(),
+        machine=machine_identity(),
         cpu_sockets=sockets,
         cpu_cores_physical=physical,
         cpu_cores_logical=_fact(unavailable, "cpu_cores_logical", lambda: psutil.cpu_count(logical=True)),

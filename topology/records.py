@@ -56,21 +56,28 @@ class NetInterface:
     name: str
     speed_mbps: int | None = None
     """Link speed as the kernel reports it; ``None`` when unknown (virtual links report none)."""
-    is_up: bool = False
-    is_rdma: bool = False
+    is_up: bool | None = False
+    """``None`` when unknown (a NIC read from ``nvidia-smi topo -m``)."""
+    is_rdma: bool | None = False
     """True when the interface is backed by an RDMA device (``/sys/class/infiniband``)."""
     rdma_device: str | None = None
     link_layer: str | None = None
     """``"InfiniBand"`` or ``"Ethernet"`` (RoCE) for RDMA devices."""
     numa_node: int | None = None
     mtu: int | None = None
+    gpu_levels: tuple[str, ...] = ()
+    """PCIe level (``PIX`` ... ``SYS``) from each GPU of the node, by GPU index; empty when unknown."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["gpu_levels"] = list(self.gpu_levels)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "NetInterface":
-        return cls(**{f.name: d.get(f.name) for f in dataclasses.fields(cls) if f.name in d})
+        kw = {f.name: d.get(f.name) for f in dataclasses.fields(cls) if f.name in d}
+        kw["gpu_levels"] = tuple(d.get("gpu_levels", ()))
+        return cls(**kw)
 
 
 @dataclass(frozen=True)
@@ -141,8 +148,11 @@ class NodeProbe:
     """Everything discovery knows about one host."""
 
     node_name: str
-    """Node identity: ``HYBRIDSHARD_NODE_NAME`` when set, else the hostname."""
+    """Node identity: ``HYBRIDSHARD_NODE_NAME`` when set, else :attr:`machine` (see [Note: one machine,
+    one node] in :mod:`hybridshard.topology.probe`)."""
     hostname: str
+    machine: str | None = None
+    """The physical machine (kernel boot id and machine id), whatever the hostname or node name says."""
     cpu_sockets: int | None = None
     cpu_cores_physical: int | None = None
     cpu_cores_logical: int | None = None
@@ -174,6 +184,7 @@ class NodeProbe:
         return {
             "node_name": self.node_name,
             "hostname": self.hostname,
+            "machine": self.machine,
             "cpu_sockets": self.cpu_sockets,
             "cpu_cores_physical": self.cpu_cores_physical,
             "cpu_cores_logical": self.cpu_cores_logical,
@@ -193,6 +204,7 @@ class NodeProbe:
         return cls(
             node_name=d["node_name"],
             hostname=d.get("hostname", d["node_name"]),
+            machine=d.get("machine"),
             cpu_sockets=d.get("cpu_sockets"),
             cpu_cores_physical=d.get("cpu_cores_physical"),
             cpu_cores_logical=d.get("cpu_cores_logical"),
@@ -263,6 +275,8 @@ class RankEntry:
     """NVML index of ``gpu_uuid`` on the node, when it was found there."""
     cuda_visible_devices: str | None = None
     cpu_affinity: tuple[int, ...] = ()
+    hostname: str | None = None
+    """The hostname this rank's process saw (containers on one machine each see their own)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from hybridshard.topology.findings import Finding, format_ranges, has_errors
+from hybridshard.topology.islands import find_islands
 from hybridshard.topology.planner import GroupPlan, format_plan
 from hybridshard.topology.records import ClusterView, GpuInfo, NodeProbe
+from hybridshard.topology.smi import nearest_nics
 
 __all__ = ["MATRIX_LEGEND", "cluster_report_dict", "render_cluster", "render_node", "render_table"]
 
@@ -70,7 +72,8 @@ def render_node(probe: NodeProbe) -> str:
     """A readable report of one node: CPUs and memory, NUMA, NICs, GPUs and their connections."""
     miss = probe.unavailable_map
     host = "" if probe.hostname == probe.node_name else f" (hostname {probe.hostname})"
-    lines = [f"node {probe.node_name}{host}"]
+    machine = f", machine {probe.machine}" if probe.machine and probe.machine != probe.node_name else ""
+    lines = [f"node {probe.node_name}{host}{machine}"]
     sockets = probe.cpu_sockets if probe.cpu_sockets is not None else "? sockets"
     lines.append(
         f"  CPU: {sockets} socket(s), {probe.cpu_cores_physical or '?'} cores, "
@@ -91,9 +94,9 @@ def render_node(probe: NodeProbe) -> str:
             [
                 [
                     n.name,
-                    "up" if n.is_up else "down",
+                    "unknown" if n.is_up is None else "up" if n.is_up else "down",
                     "unknown" if n.speed_mbps is None else f"{n.speed_mbps / 1000:g} Gb/s",
-                    f"{n.rdma_device} ({n.link_layer or '?'})" if n.is_rdma else "no",
+                    f"{n.rdma_device} ({n.link_layer or '?'})" if n.is_rdma else "unknown" if n.is_rdma is None else "no",
                     n.numa_node,
                     n.mtu,
                 ]
@@ -155,6 +158,15 @@ def _render_gpus(probe: NodeProbe) -> list[str]:
         ]
         lines += render_table(header, rows)
         lines += ["  " + line for line in MATRIX_LEGEND.splitlines()]
+    islands = find_islands(probe).islands
+    lines.append("NVLink islands: " + " ".join("{" + ",".join(map(str, i)) + "}" for i in islands))
+    if any(n.gpu_levels for n in probe.nics):
+        lines.append("Nearest NIC per GPU:")
+        rows = []
+        for g in probe.gpus:
+            names, level = nearest_nics(probe, g.index)
+            rows.append([f"GPU{g.index}", g.numa_node, ", ".join(names) or "-", level])
+        lines += render_table(["GPU", "NUMA", "nearest NIC", "level"], rows)
     return lines
 
 
@@ -171,16 +183,19 @@ def render_cluster(
     for n in cluster.nodes[:_MAX_NODE_ROWS]:
         models = sorted({g.name or "?" for g in n.probe.gpus})
         gpu_of = " ".join(f"{r.rank}:{'-' if r.gpu_index is None else r.gpu_index}" for r in n.ranks[:16])
+        hosts = sorted({r.hostname for r in n.ranks if r.hostname}) or [n.probe.hostname]
         rows.append(
             [
                 n.name,
+                ",".join(hosts[:4]) + (",..." if len(hosts) > 4 else ""),
+                n.probe.machine or "-",
                 f"{format_ranges(n.global_ranks)} ({len(n.ranks)})",
                 f"{n.probe.num_gpus} x {'/'.join(models)}" if models else "0",
                 "yes" if n.is_contiguous else "no",
                 gpu_of + (" ..." if len(n.ranks) > 16 else ""),
             ]
         )
-    lines += render_table(["node", "ranks", "GPUs", "contiguous", "rank:GPU"], rows)
+    lines += render_table(["node", "hostname", "machine", "ranks", "GPUs", "contiguous", "rank:GPU"], rows)
     if cluster.num_nodes > _MAX_NODE_ROWS:
         lines.append(f"  ... {cluster.num_nodes - _MAX_NODE_ROWS} more nodes")
     lines.append("")

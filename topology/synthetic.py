@@ -15,7 +15,7 @@ from typing import Sequence
 from hybridshard.topology.cluster import assemble_cluster
 from hybridshard.topology.records import ClusterView, GpuInfo, NodeProbe, NumaNode, NvLink, RankProbe
 
-__all__ = ["LAYOUTS", "NVLINK_SHAPES", "rank_order", "synthetic_cluster", "synthetic_node"]
+__all__ = ["LAYOUTS", "NVLINK_SHAPES", "rank_order", "replicated_cluster", "synthetic_cluster", "synthetic_node"]
 
 LAYOUTS = ("block", "cyclic")
 NVLINK_SHAPES = ("nvswitch", "pairs", "none")
@@ -114,7 +114,6 @@ def synthetic_cluster(
             order = rank_order(num_nodes, counts[0], layout)
         else:
             order = [(n, k) for n, c in enumerate(counts) for k in range(c)]
-    world_size = len(order)
     nodes = []
     for n, count in enumerate(counts):
         fabric = None
@@ -125,6 +124,21 @@ def synthetic_cluster(
                 f"{node_prefix}{n}", gpus_per_node=count, nvlink=nvlink, numa_per_node=numa_per_node, fabric=fabric
             )
         )
+    return _one_rank_per_gpu(nodes, order)
+
+
+def replicated_cluster(node: NodeProbe, num_nodes: int, *, layout: str = "block") -> ClusterView:
+    """``num_nodes`` copies of one node's probe (e.g. read from ``nvidia-smi topo -m``), one rank per GPU."""
+    from hybridshard.topology.smi import with_name
+
+    if num_nodes < 1 or not node.gpus:
+        raise ValueError(f"expected at least one node with GPUs; got {num_nodes} nodes of {node.num_gpus} GPUs")
+    nodes = [with_name(node, f"{node.node_name}{n}" if num_nodes > 1 else node.node_name) for n in range(num_nodes)]
+    return _one_rank_per_gpu(nodes, rank_order(num_nodes, node.num_gpus, layout))
+
+
+def _one_rank_per_gpu(nodes: Sequence[NodeProbe], order: Sequence[tuple[int, int]]) -> ClusterView:
+    world_size = len(order)
     probes = []
     for rank, (n, local) in enumerate(order):
         node = nodes[n]

@@ -13,9 +13,14 @@ visible device by its UUID.
   rest, so ``"0,1,-1,2"`` shows two devices and ``"-1"`` shows none. We do the same and report why.
 * A GPU whose UUID NVML did not report keeps its ordinal (``None`` in the list), so later ordinals
   still name the right GPUs; a rank on it cannot be identified and is reported.
-* Integer ordinals are taken in NVML order (PCI bus order). CUDA uses the same order when
-  ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; its default, ``FASTEST_FIRST``, only differs on nodes that mix
-  GPU models. UUIDs are never ambiguous, which is why launchers that pin GPUs should prefer them.
+* Integer ordinals are taken in NVML order (PCI bus order), which is also the order of the rows of
+  ``nvidia-smi topo -m``. CUDA uses the same order when ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; its
+  default, ``FASTEST_FIRST``, only differs on nodes that mix GPU models, and then the ordinal of a
+  rank may name another row: :func:`ordinal_order_problem` says so. UUIDs are never ambiguous, which
+  is why launchers that pin GPUs should prefer them.
+* MIG: a rank's device is one MIG instance, named by its UUID; it maps to the GPU it lives on. Two
+  ranks on slices of one GPU therefore share that GPU in the cluster view (the ``shared_gpu``
+  finding), and slices have no NVLink between them, so plan with ``domain="node"``.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Mapping, Sequence
 
 from hybridshard.topology.records import GpuInfo
 
-__all__ = ["resolve_visible_devices"]
+__all__ = ["ordinal_order_problem", "resolve_visible_devices"]
 
 
 def resolve_visible_devices(
@@ -61,6 +66,19 @@ def resolve_visible_devices(
                          "cannot be identified (see the node's unavailable facts, or hide that GPU)")
         visible.append(uuid)
     return tuple(visible), tuple(notes)  # type: ignore[return-value]
+
+
+def ordinal_order_problem(value: str | None, gpus: Sequence[GpuInfo], device_order: str | None) -> str | None:
+    """Why CUDA ordinals may not be NVML indices here, or ``None``: ordinals in use (``value`` unset
+    or listing integers) on a node of several GPU models without ``CUDA_DEVICE_ORDER=PCI_BUS_ID``."""
+    models = sorted({g.name for g in gpus if g.name})
+    ordinals = value is None or any(e.strip().lstrip("+-").isdigit() for e in value.split(","))
+    if (device_order or "FASTEST_FIRST").strip().upper() == "PCI_BUS_ID" or len(models) < 2 or not ordinals:
+        return None
+    return (
+        f"this node mixes GPU models ({', '.join(models)}) and CUDA numbers them fastest first, so CUDA "
+        "ordinal k need not be nvidia-smi's GPU k; set CUDA_DEVICE_ORDER=PCI_BUS_ID or name GPUs by UUID"
+    )
 
 
 def _resolve_entry(

@@ -26,7 +26,7 @@ from hybridshard.launcher.settings import LaunchOptions, resolve_settings
 logger = logging.getLogger(__name__)
 
 _VALUE_OPTIONS = ("--nnodes", "--node-rank", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint",
-                  "--rdzv-id", "--master-addr", "--master-port", "--max-restarts", "--lighthouse")
+                  "--rdzv-id", "--master-addr", "--master-port", "--max-restarts", "--lighthouse", "--from-smi")
 _FLAG_OPTIONS = ("--bind-numa", "--dry-run", "--fault-tolerant", "-h", "--help")
 _ENTRY_FLAGS = {"-m": "module", "--module": "module", "--no-python": "no_python", "--no_python": "no_python"}
 _REJECTED = {"--standalone": "give no rendezvous options for a one-node job (a free local port is used)"}
@@ -54,6 +54,8 @@ def _our_parser() -> argparse.ArgumentParser:
     p.add_argument("--lighthouse", help="HOST:PORT of torchft's lighthouse (default: node 0 starts one)")
     p.add_argument("--bind-numa", action="store_true", help="pin each local rank to the CPUs of its GPU's NUMA node")
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
+    p.add_argument("--from-smi", metavar="FILE",
+                   help="with --dry-run: plan for the machine `nvidia-smi topo -m` printed into FILE")
     return p
 
 
@@ -138,6 +140,8 @@ def prepare(argv: Sequence[str], env=None, *, probe: Callable | None = None) -> 
     probe = probe or _visible_gpus
     split = split_argv(argv)
     opts = _our_parser().parse_args(list(split.ours))
+    if opts.from_smi:
+        probe = _smi_gpus(opts)
     if opts.bind_numa and "--run-path" in split.passthrough:
         raise ValueError("--bind-numa starts each worker through a wrapper; it cannot be combined with --run-path")
     entry = make_entry(split.entry, module=split.module, no_python=split.no_python)
@@ -168,11 +172,26 @@ def prepare(argv: Sequence[str], env=None, *, probe: Callable | None = None) -> 
         if settings.nproc_int is None:
             raise ValueError(f"--bind-numa needs a numeric --nproc-per-node, found {settings.nproc_per_node!r}")
         node, visible = node_and_gpus()
-        binding = compute_binding(node, visible, settings.nproc_int, allowed_cpus=os.sched_getaffinity(0))
+        allowed = None if opts.from_smi else os.sched_getaffinity(0)  # another machine's CPUs
+        binding = compute_binding(node, visible, settings.nproc_int, allowed_cpus=allowed)
+    if opts.from_smi:
+        from hybridshard.launcher.placement import describe_local_ranks
+
+        opts.placement = describe_local_ranks(node_and_gpus()[0], settings.nproc_int or len(node_and_gpus()[1]))
     command = build_command(settings, entry, passthrough=split.passthrough, binding=binding)
     if ft is not None:
         command = dataclasses.replace(command, env=command.env + ft.env)
     return opts, command
+
+
+def _smi_gpus(opts: argparse.Namespace) -> Callable:
+    if not opts.dry_run:
+        raise ValueError("--from-smi describes another machine; it needs --dry-run")
+    from hybridshard.topology.smi import read_topo_matrix, with_name
+
+    node = read_topo_matrix(opts.from_smi)
+    node = with_name(node, node.node_name)
+    return lambda: (node, tuple(g.uuid for g in node.gpus))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
     if opts.dry_run:
         if opts.lighthouse_argv is not None:
             print("# lighthouse started by this launcher: " + " ".join(opts.lighthouse_argv))
+        for line in getattr(opts, "placement", ()):
+            print(line)
         print(command.render(os.environ))
         return 0
     if opts.lighthouse_argv is None:

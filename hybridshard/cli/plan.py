@@ -16,14 +16,18 @@ from hybridshard.planning import sizing
 from hybridshard.planning.format import parse_bytes, parse_count, render_text, to_dict
 from hybridshard.topology.planner import DOMAINS, format_plan, plan_groups
 from hybridshard.topology.records import ClusterView
-from hybridshard.topology.synthetic import LAYOUTS, NVLINK_SHAPES, synthetic_cluster
+from hybridshard.topology.synthetic import LAYOUTS, NVLINK_SHAPES, replicated_cluster, synthetic_cluster
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="show the shard/replicate group plan of a cluster", description=__doc__)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--from", dest="source", metavar="JSON", help="a saved cluster view (JSON file)")
-    src.add_argument("--nodes", type=int, default=2, help="synthetic cluster: number of nodes (default 2)")
+    src.add_argument("--from-smi", metavar="FILE",
+                     help="plan --nodes copies of the machine whose `nvidia-smi topo -m` output is in FILE")
+    p.add_argument("--nodes", type=int, default=2, help="number of nodes (synthetic or --from-smi; default 2)")
+    p.add_argument("--smi-query", metavar="FILE",
+                   help="with --from-smi: the machine's `nvidia-smi -q` output, for its multi-node NVLink Fabric")
     p.add_argument(
         "--gpus-per-node", type=int, nargs="+", default=[8], metavar="N",
         help="synthetic cluster: GPUs (= ranks) per node; one number, or one per node (default 8)",
@@ -77,6 +81,11 @@ def _load(path: str) -> ClusterView:
 def _cluster(args: argparse.Namespace) -> ClusterView:
     if args.source:
         return _load(args.source)
+    if args.from_smi:
+        from hybridshard.topology.smi import read_topo_matrix
+
+        node = read_topo_matrix(args.from_smi, query_path=args.smi_query)
+        return replicated_cluster(node, args.nodes, layout=args.layout)
     counts = args.gpus_per_node
     if len(counts) not in (1, args.nodes):
         raise ValueError(f"--gpus-per-node takes one count or one per node ({args.nodes}); got {len(counts)} values")
@@ -93,6 +102,9 @@ def _gpu_memory(args: argparse.Namespace, cluster: ClusterView) -> int:
     """``--gpu-memory``, else the smallest GPU the cluster view records, else 80GB."""
     if args.gpu_memory is not None:
         return parse_bytes(args.gpu_memory)
+    if args.from_smi:
+        raise ValueError("--model-params with --from-smi needs --gpu-memory (nvidia-smi topo -m does not show "
+                         "GPU memory), e.g. --gpu-memory 80GB")
     found = [g.memory_total_bytes for n in cluster.nodes for g in n.probe.gpus if g.memory_total_bytes]
     return min(found) if found else parse_bytes(_DEFAULT_GPU_MEMORY)
 

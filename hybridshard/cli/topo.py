@@ -43,6 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "topo", help="report this node's topology, or the whole job's under torchrun", description=__doc__
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--from-smi", metavar="FILE",
+                   help="report the machine whose `nvidia-smi topo -m` output is in FILE instead of this one")
+    p.add_argument("--smi-query", metavar="FILE",
+                   help="with --from-smi: that machine's `nvidia-smi -q` output, for its multi-node NVLink Fabric")
     p.add_argument(
         "--cluster",
         action="store_true",
@@ -77,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     if args.sizes and not args.bandwidth:
         print("error: --sizes sets the message sizes of --bandwidth; add --bandwidth", file=sys.stderr)
         return EXIT_USAGE
+    if args.from_smi:
+        return _run_smi(args)
     if not cluster_mode:
         if args.bandwidth:
             print(
@@ -95,14 +101,36 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_local(args: argparse.Namespace) -> int:
     from hybridshard.topology.probe import probe_node
+
+    return _print_node(args, probe_node())
+
+
+def _run_smi(args: argparse.Namespace) -> int:
+    from hybridshard.topology.smi import read_topo_matrix
+
+    if args.cluster or args.bandwidth:
+        print("error: --from-smi reports one machine from its text; drop --cluster and --bandwidth", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        probe = read_topo_matrix(args.from_smi, query_path=args.smi_query)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    return _print_node(args, probe)
+
+
+def _print_node(args: argparse.Namespace, probe: Any) -> int:
+    from hybridshard.topology.findings import node_findings
     from hybridshard.topology.report import render_node
 
-    probe = probe_node()
+    findings = node_findings(probe)
     if args.json:
-        print(json.dumps(probe.to_dict(), indent=2))
+        print(json.dumps({**probe.to_dict(), "warnings": [f.to_dict() for f in findings]}, indent=2))
     else:
         print(render_node(probe))
-    return EXIT_OK
+        lines = [f"  [{f.level.value}] {f.code}: {f.message}" for f in findings]
+        print("\n".join(["warnings:", *lines]) if lines else "no warnings")
+    return EXIT_FINDINGS if has_errors(findings) else EXIT_OK
 
 
 def _job_env(env: Mapping[str, str]) -> tuple[int, int, int]:

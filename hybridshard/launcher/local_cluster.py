@@ -270,7 +270,10 @@ def run_cluster(opts: ClusterOptions, out: IO[str] = sys.stdout) -> int:
         env = host_env(os.environ)
         rdzv_host = net.hosts[0].name
         for h in net.hosts:
-            sup.start(h.name, net.host_argv(h, launch_argv(opts, h.index, rdzv_host)), env)
+            # The hosts share this machine's kernel, so discovery would see one node (see [Note: one
+            # machine, one node] in hybridshard.topology.probe); name each host's node after it.
+            host = dict(env, HYBRIDSHARD_NODE_NAME=h.name)
+            sup.start(h.name, net.host_argv(h, launch_argv(opts, h.index, rdzv_host)), host)
         return sup.wait(opts.timeout_s)
     except _Interrupted as exc:
         sup.say(f"interrupted by {exc}; stopping every host")
