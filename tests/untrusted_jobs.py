@@ -244,7 +244,7 @@ def lightning_resume_tampered(root: str, marker: str) -> dict[str, Any]:
     fit(Lit(0), None, epochs=1)
     saved = os.path.join(root, "ckpt", sorted(os.listdir(os.path.join(root, "ckpt")))[0])
     paths = _tamper_all(saved, root, ("metadata", "extra", "param_groups"), marker)
-    out: dict[str, Any] = {"extra": read_extra(saved)}
+    out: dict[str, Any] = {"saved extra": read_extra(saved)}
     for kind, path in paths.items():
         module = Lit(1)
         before = {k: v.detach().clone() for k, v in module.state_dict().items()}
