@@ -104,13 +104,14 @@ def test_one_process_refuses_every_tampering(tampered, capsys):
 def test_inspect_is_one_error_line_and_the_escape_hatch_runs_the_payload(tampered, tmp_path):
     """As a user runs it: exit 1, one line on stderr, no traceback. With the escape hatch the same
     payload runs, so the refusals above guard against a live one."""
-    cmd = [sys.executable, "-m", "hybridshard", "ckpt", "inspect", tampered["metadata"]]
+    cmd = [sys.executable, "-m", "hybridshard", "ckpt", "inspect"]
     env = {k: v for k, v in os.environ.items() if k != TRUST_ENV}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 1 and done.stdout == "", done
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
-    assert lines[0].startswith(f"hybridshard ckpt inspect: error: {REFUSED}{tampered['metadata']}: .metadata"), lines
+    for kind in ("metadata", "extra"):
+        done = subprocess.run([*cmd, tampered[kind]], capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 1 and done.stdout == "", done
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+        assert lines[0].startswith(f"hybridshard ckpt inspect: error: {REFUSED}{tampered[kind]}: {WHERE[kind]}"), lines
     assert not os.path.exists(tampered["marker"])
 
     marker = str(tmp_path / "RAN")
@@ -119,7 +120,7 @@ def test_inspect_is_one_error_line_and_the_escape_hatch_runs_the_payload(tampere
     assert os.path.exists(marker)  # the payload is real
     os.remove(marker)
     path = U.tamper(tampered["good"], str(tmp_path / "md"), "metadata", marker)
-    subprocess.run([*cmd[:-1], path], capture_output=True, timeout=120, env={**env, TRUST_ENV: "1"})
+    subprocess.run([*cmd, path], capture_output=True, timeout=120, env={**env, TRUST_ENV: "1"})
     assert os.path.exists(marker)
 
 
@@ -190,9 +191,9 @@ def test_saving_a_non_plain_extra_fails_naming_the_key_path(tmp_path):
         with pytest.raises(ValueError) as info:
             hs.save_checkpoint(path, model, extra=extra)
         line = str(info.value).splitlines()[0]
-        assert line.startswith(f"{key} is a "), line
+        assert line.startswith(f"{key} is of type "), line
         assert not os.path.exists(path) and not os.path.exists(f"{path}.partial")  # not a byte written
-    with pytest.raises(ValueError, match=r"^optim.param_groups\[0\]\['note'\] is a argparse.Namespace"):
+    with pytest.raises(ValueError, match=r"^optim.param_groups\[0\]\['note'\] is of type argparse.Namespace"):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         opt.param_groups[0]["note"] = argparse.Namespace()
         hs.save_checkpoint(path, model, optimizer=opt)

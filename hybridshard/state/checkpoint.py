@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import socket
@@ -51,6 +50,7 @@ from hybridshard.state import optim as O
 from hybridshard.state.access import (
     check_idle, gather_slices, is_sharded, local_params, module_state_dict, param_ranges, units,
 )
+from hybridshard.state.matching import check_model, check_state_size
 from hybridshard.state.planner import Piece, PieceLoadPlanner, PieceSavePlanner
 from hybridshard.state.progress import ProgressWriter
 from hybridshard.state.reader import CheckedReader
@@ -318,7 +318,7 @@ def load_checkpoint(
     places = param_ranges(model)
     local = local_params(model)
     buffers = _buffers(model, set(places))
-    _check_model(path, stored, places, buffers)
+    check_model(path, stored, places, buffers)
     if optimizer is not None:
         if manifest.get("optimizer") is None:
             raise ValueError(f"{path} holds no optimizer state (saved without optimizer=); load it without optimizer=")
@@ -343,7 +343,7 @@ def load_checkpoint(
             if name not in places:
                 raise ValueError(f"{path} has optimizer state for {name!r}, which this model lacks")
             shape, start, numel, _ = places[name]
-            _check_state_size(path, fqn, md, shape, per_element=key in per_element.get(name, []))
+            check_state_size(path, fqn, md, shape, per_element=key in per_element.get(name, []))
             if key in per_element.get(name, []):
                 pieces[fqn] = [Piece(shape, start, torch.empty(numel, dtype=md.properties.dtype))] if numel else []
                 targets[fqn] = pieces[fqn][0].flat if numel else torch.empty(0, dtype=md.properties.dtype)
@@ -408,42 +408,3 @@ def read_entries(reader: CheckedReader, keys: list[str], *, what: str) -> dict[s
         except CheckpointException as exc:
             raise _unwrap(exc, what) from None
     return out
-
-
-def _check_state_size(path: str, fqn: str, md: Any, shape: tuple[int, ...], *, per_element: bool) -> None:
-    """An optimizer entry holds a value per element (the parameter's shape) or a few per parameter."""
-    if not isinstance(md, TensorStorageMetadata):
-        return
-    size = tuple(md.size)
-    if (per_element and size != tuple(shape)) or (not per_element and math.prod(size) > max(1, math.prod(shape))):
-        raise ValueError(
-            f"checkpoint {path}: optimizer entry {fqn!r} has size {list(size)}, its parameter {list(shape)} "
-            f"({'the same shape' if per_element else 'at most as many elements'} expected); the checkpoint is damaged "
-            "or was edited: load an earlier one"
-        )
-
-
-def _check_model(path: str, stored: dict[str, Any], places: dict, buffers: dict[str, torch.Tensor]) -> None:
-    """``ValueError`` naming every name and shape that differs between the checkpoint and the model."""
-    saved = {k[len("model."):]: md for k, md in stored.items() if k.startswith("model.")}
-    expected = {name: shape for name, (shape, _, _, _) in places.items()}
-    expected.update({k: tuple(v.shape) for k, v in buffers.items()})
-    missing = sorted(set(expected) - set(saved))
-    unexpected = sorted(set(saved) - set(expected))
-    shapes = [
-        f"{n}: checkpoint {list(saved[n].size)}, model {list(expected[n])}"
-        for n in sorted(set(saved) & set(expected))
-        if isinstance(saved[n], TensorStorageMetadata) and tuple(saved[n].size) != tuple(expected[n])
-    ]
-    if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        if unexpected:
-            parts.append(f"not in the model: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-        if shapes:
-            parts.append("shapes differ: " + "; ".join(shapes[:8]))
-        raise ValueError(
-            f"checkpoint {path} does not match the model ({', '.join(parts)}); load it into the model it was "
-            "saved from (the same parameter names and shapes; strategy and topology may differ)"
-        )

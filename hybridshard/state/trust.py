@@ -143,13 +143,20 @@ def load_bytes(data: bytes, *, checkpoint: str, file: str, entry: str, trusted: 
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
         found = _GLOBAL_IN_MESSAGE.search(str(exc))
-        what = found.group(1) if found else f"an object the weights-only unpickler rejects ({_last_line(exc)})"
+        what = found.group(1) if found else f"an object the weights-only unpickler rejects ({_reason(exc)})"
         raise UnsafeCheckpointError(refusal(checkpoint, f"{file}, entry {entry!r},", what)) from None
+    except Exception as exc:  # noqa: BLE001 - not a torch.save stream at all
+        raise ValueError(
+            f"checkpoint {checkpoint}: {file}, entry {entry!r}, is not a torch.save stream ({type(exc).__name__}: "
+            f"{_reason(exc)}); the checkpoint is damaged or was edited: load an earlier one"
+        ) from None
 
 
-def _last_line(exc: BaseException) -> str:
+def _reason(exc: BaseException) -> str:
+    """The line of torch's weights-only message that says what was rejected."""
+    found = re.search(r"WeightsUnpickler error: (.*)", str(exc))
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
+    return found.group(1).strip() if found else (lines[0] if lines else type(exc).__name__)
 
 
 # -- plain values at save ----------------------------------------------------------------------------
@@ -189,7 +196,7 @@ def check_plain(value: Any, name: str) -> None:
     path, bad = _first_unplain(value, name) or (name, value)
     kind = f"{type(bad).__module__}.{type(bad).__qualname__}"
     raise ValueError(
-        f"{path} is a {kind}, which a checkpoint does not store: expected plain values that "
+        f"{path} is of type {kind}, which a checkpoint does not store: expected plain values that "
         "torch.load(weights_only=True) reads back (None, bool, int, float, str, bytes, tensors, torch dtypes and "
         "Size, and dicts, lists, tuples and sets of them); convert it before saving (dict(x), vars(namespace), "
         "str(path), x.item() for a numpy scalar, torch.from_numpy(array))"
