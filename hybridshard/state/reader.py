@@ -81,6 +81,8 @@ class CheckedReader(FileSystemReader):
                 self._check_tensor(key, entry)
             elif not isinstance(entry, BytesStorageMetadata):
                 raise self._malformed(f"entry {key!r} is a {type(entry).__name__}")
+        chunks = {(key, tuple(c.offsets)): c for key, e in md.state_dict_metadata.items()
+                  if isinstance(e, TensorStorageMetadata) for c in e.chunks}
         stored = set()
         for index, info in md.storage_data.items():
             if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
@@ -96,7 +98,7 @@ class CheckedReader(FileSystemReader):
             self._check_inside(index.fqn, info.relative_path)
             if isinstance(entry, TensorStorageMetadata):
                 offsets = tuple(index.offset) if index.offset is not None else None
-                chunk = next((c for c in entry.chunks if tuple(c.offsets) == offsets), None)
+                chunk = chunks.get((index.fqn, offsets))
                 if chunk is None:
                     raise self._malformed(f"storage for a chunk of {index.fqn!r} at {offsets}, which it does not hold")
                 need = math.prod(chunk.sizes) * entry.properties.dtype.itemsize

@@ -140,7 +140,7 @@ def load_bytes(data: bytes, *, checkpoint: str, file: str, entry: str, trusted: 
         if unsafe:
             raise UnsafeCheckpointError(refusal(checkpoint, f"{file}, entry {entry!r},", ", ".join(unsafe)))
     try:
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        return torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError as exc:
         found = _GLOBAL_IN_MESSAGE.search(str(exc))
         what = found.group(1) if found else f"an object the weights-only unpickler rejects ({_reason(exc)})"
