@@ -94,6 +94,14 @@ def test_one_process_refuses_every_tampering(tampered, capsys):
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), kind
         assert all(torch.equal(v, optim_before[k]) for k, v in opt.state[model.embed.weight].items()), kind
         assert not os.path.exists(marker), kind
+    # As the report that found it: the whole .metadata replaced by the payload.
+    whole = U.tamper(tampered["good"], tampered["good"] + "-whole", "extra", marker)
+    with open(os.path.join(whole, ".metadata"), "wb") as f:
+        pickle.dump(U.Payload(marker), f)
+    assert main(["ckpt", "inspect", whole]) == 1
+    _expect_refusal("UnsafeCheckpointError: " + capsys.readouterr().err.split("error: ", 1)[1].strip(), whole, WHERE["metadata"])
+    _expect_refusal(U.first_line(lambda: hs.load_checkpoint(whole, RM.make_model(1))), whole, WHERE["metadata"])
+    assert not os.path.exists(marker)
     # The untampered original still loads, and inspect shows its extra.
     model, opt = _trained(1)
     assert hs.load_checkpoint(tampered["good"], model, optimizer=opt) == {"step": 1, "loader": [3, 4]}
