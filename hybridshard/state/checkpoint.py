@@ -322,7 +322,8 @@ def load_checkpoint(
     if optimizer is not None:
         if manifest.get("optimizer") is None:
             raise ValueError(f"{path} holds no optimizer state (saved without optimizer=); load it without optimizer=")
-        O.check_groups(model, optimizer, read_entries(reader, ["optim.param_groups"], what=f"load_checkpoint({path})")["optim.param_groups"])
+        saved_groups = read_entries(reader, ["optim.param_groups"], what=f"load_checkpoint({path})")
+        O.check_groups(model, optimizer, saved_groups["optim.param_groups"])
 
     pieces: dict[str, list[Piece]] = {}
     plain: dict[str, Any] = {}
@@ -355,8 +356,8 @@ def load_checkpoint(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(plain, storage_reader=reader, planner=PieceLoadPlanner(pieces, checkpoint=path, trusted=reader.trusted),
-                     no_dist=not sharded)
+            planner = PieceLoadPlanner(pieces, checkpoint=path, trusted=reader.trusted)
+            dcp.load(plain, storage_reader=reader, planner=planner, no_dist=not sharded)
         except CheckpointException as exc:
             raise _unwrap(exc, f"load_checkpoint({path})") from None
     logger.info("load %s: read in %.2f s", path, time.perf_counter() - t0)

@@ -109,7 +109,8 @@ class CheckedReader(FileSystemReader):
             else:
                 stored.add((index.fqn, None))
         for key, entry in md.state_dict_metadata.items():
-            wanted = [(key, tuple(c.offsets)) for c in entry.chunks] if isinstance(entry, TensorStorageMetadata) else [(key, None)]
+            tensor = isinstance(entry, TensorStorageMetadata)
+            wanted = [(key, tuple(c.offsets)) for c in entry.chunks] if tensor else [(key, None)]
             missing = [w for w in wanted if w not in stored]
             if missing:
                 raise self._malformed(f"no storage for entry {key!r} at {missing[0][1]}")
