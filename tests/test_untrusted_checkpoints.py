@@ -269,4 +269,6 @@ def test_tampered_checkpoints_through_every_sharded_reader(tmp_path):
                 assert got[kind].startswith(f"UnsafeCheckpointError: {REFUSED}"), (name, rank, kind, got[kind])
                 assert "tries to load posix.system" in got[kind] and NOTHING_RAN in got[kind], got[kind]
                 assert got[f"{kind} unchanged"], (name, rank, kind)
-    assert isinstance(lit[0]["saved extra"], dict) and "loops" in lit[0]["saved extra"]  # Lightning's state went in plain
+    saved = lit[0]["saved extra"]  # Lightning's state went in, made plain
+    assert "loops" in saved and saved["hyper_parameters"] == {
+        "seed": 0, "data": str(tmp_path / "lightning"), "args": {"lr": 1e-2}}, saved["hyper_parameters"]

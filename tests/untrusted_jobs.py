@@ -8,9 +8,11 @@ of ``hybridshard.json``. A reader that runs it leaves the marker file behind.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import io
 import os
+import pathlib
 import pickle
 import shutil
 from typing import Any, Callable
@@ -226,6 +228,8 @@ def lightning_resume_tampered(root: str, marker: str) -> dict[str, Any]:
         def __init__(self, seed: int) -> None:
             super().__init__()
             self.llama, _ = HF.make_model("llama", seed=seed)
+            # Hyperparameters as scripts keep them: made plain when saved.
+            self.save_hyperparameters({"seed": seed, "data": pathlib.Path(root), "args": argparse.Namespace(lr=1e-2)})
 
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
             return self.llama(**batch).loss
