@@ -32,6 +32,7 @@ from hybridshard.state.pretrained_load import LoadResult, load_pretrained
 from hybridshard.state.pretrained_save import save_pretrained
 from hybridshard.state.shapes import param_groups, param_shapes
 from hybridshard.state.replicas import ReplicaDivergence, check_replicas, maybe_check_replicas
+from hybridshard.state.trust import UnsafeCheckpointError
 
 # Fault-tolerant replicas on torchft (hybridshard/ft/; torchft is needed only to create the mode)
 from hybridshard.ft.mode import FaultTolerance
@@ -49,6 +50,7 @@ __all__ = [
     "LoadResult",
     "ReplicaDivergence",
     "SaveResult",
+    "UnsafeCheckpointError",
     "check_replicas",
     "full_optim_state_dict",
     "latest_checkpoint",

@@ -1,7 +1,9 @@
 """``hybridshard ckpt inspect PATH``: what a checkpoint holds, without a process group.
 
 Reads the manifest (strategy, topology, bytes per rank) and DCP's metadata (every key with its
-shape, dtype and number of stored chunks); reads no tensor data.
+shape, dtype and number of stored chunks) and the saved ``extra``; reads no tensor data. The metadata is read as data
+(see [Note: checkpoints are data] in hybridshard/state/trust.py): a checkpoint holding pickled
+code is refused with one error line, and nothing from it runs.
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     inspect = actions.add_parser("inspect", help="print strategy, topology, keys and sizes of a checkpoint")
     inspect.add_argument("path", help="a checkpoint directory (or a directory of them: the latest is shown)")
     inspect.add_argument("--json", action="store_true", help="print the facts as JSON")
+    inspect.add_argument("--trusted", action="store_true",
+                         help="read the metadata with full pickle, as DCP does (only for a checkpoint you trust)")
     p.set_defaults(func=run)
 
 
-def collect(path: str) -> dict[str, Any]:
+def collect(path: str, *, trusted: bool = False) -> dict[str, Any]:
     """The facts about the checkpoint at ``path`` (or the latest one under it) as one record."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from hybridshard.state.checkpoint import latest_checkpoint, read_manifest
+    from hybridshard.state.checkpoint import latest_checkpoint, read_entries, read_manifest
+    from hybridshard.state.reader import CheckedReader
 
     try:
         manifest = read_manifest(path)
@@ -36,14 +40,19 @@ def collect(path: str) -> dict[str, Any]:
         if latest is None:
             raise
         path, manifest = latest, read_manifest(latest)
+    reader = CheckedReader(path, trusted=trusted)
+    metadata = reader.read_metadata()
+    reader.check_files(metadata)
+    entries = sorted(k for k, md in metadata.state_dict_metadata.items() if not isinstance(md, TensorStorageMetadata))
+    values = read_entries(reader, entries, what=f"reading {path}")  # small, and checked: a refused one stops here
     keys = []
-    for key, md in sorted(FileSystemReader(path).read_metadata().state_dict_metadata.items()):
+    for key, md in sorted(metadata.state_dict_metadata.items()):
         if isinstance(md, TensorStorageMetadata):
             keys.append({"key": key, "shape": list(md.size), "dtype": str(md.properties.dtype),
                          "chunks": len(md.chunks), "bytes": math.prod(md.size) * md.properties.dtype.itemsize})
         else:
             keys.append({"key": key, "shape": None, "dtype": "object", "chunks": 1, "bytes": None})
-    return {"path": path, "manifest": manifest, "keys": keys}
+    return {"path": path, "manifest": manifest, "keys": keys, "extra": values.get("extra")}
 
 
 def render(facts: dict[str, Any]) -> str:
@@ -61,7 +70,9 @@ def render(facts: dict[str, Any]) -> str:
     lines.append(f"  written    {sum(per_rank):,} bytes: " + ", ".join(f"rank {r} {b:,}" for r, b in enumerate(per_rank)))
     optim = m.get("optimizer")
     lines.append(f"  optimizer  {optim['class'] + ', ' + str(optim['num_groups']) + ' param group(s)' if optim else 'none'}")
-    lines.append(f"  extra      {'yes' if m.get('extra') else 'none'}; tied names {m.get('aliases') or 'none'}")
+    extra = repr(facts.get("extra"))
+    extra = extra if len(extra) <= 160 else extra[:157] + "..."
+    lines.append(f"  extra      {extra if m.get('extra') else 'none'}; tied names {m.get('aliases') or 'none'}")
     lines.append("")
     width = max((len(k["key"]) for k in facts["keys"]), default=3)
     lines.append(f"  {'key':<{width}}  {'shape':<14} {'dtype':<15} {'chunks':>6} {'bytes':>12}")
@@ -77,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         print("hybridshard ckpt: expected an action: inspect PATH", file=sys.stderr)
         return 2
     try:
-        facts = collect(args.path)
+        facts = collect(args.path, trusted=args.trusted)
     except (ValueError, OSError) as exc:
         print(f"hybridshard ckpt inspect: error: {exc}", file=sys.stderr)
         return 1

@@ -1,9 +1,13 @@
-"""What the trainer integrations share: the missing-extra error and sharding a model a trainer hands over."""
+"""What the trainer integrations share: the missing-extra error, sharding a model a trainer hands over,
+and the trainers' own state made plain for a checkpoint's ``extra``."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
+import os
+from collections import OrderedDict
 from types import ModuleType
 from typing import Any
 
@@ -83,3 +87,55 @@ def sharded_module(model: nn.Module) -> nn.Module:
         if is_sharded(module):
             return module
     raise ValueError(f"{type(model).__name__} holds no sharded module; shard it first (hybridshard.shard)")
+
+
+def plain_values(value: Any, name: str) -> tuple[Any, list[str]]:
+    """``value`` with what trainers put in their checkpoint state converted to plain values, and the key
+    paths converted (see [Note: checkpoints are data] in :mod:`hybridshard.state.trust`).
+
+    Converted: mappings that are not a ``dict`` (Lightning's ``AttributeDict`` hyperparameters, an
+    omegaconf ``DictConfig`` once resolved) to ``dict``; ``argparse.Namespace`` to the dict of its
+    attributes; paths (``os.PathLike``) to ``str``; numpy scalars to Python numbers and numpy arrays to
+    tensors; classes (Lightning's ``hparams_type``) to their qualified name. Anything else is returned
+    as it is, and ``save_checkpoint`` refuses it if it is not plain."""
+    converted: list[str] = []
+
+    def walk(v: Any, path: str) -> Any:
+        kind = type(v)
+        if kind in (dict, OrderedDict):
+            return kind((k, walk(x, f"{path}[{k!r}]")) for k, x in v.items())
+        if kind in (list, tuple, set):
+            return kind(walk(x, f"{path}[{i}]") for i, x in enumerate(v))
+        plain = _convert(v)
+        if plain is v:
+            return v
+        converted.append(f"{path} ({kind.__module__}.{kind.__qualname__})")
+        return walk(plain, path) if type(plain) in (dict, list) else plain
+
+    return walk(value, name), converted
+
+
+def _convert(v: Any) -> Any:
+    """A plain stand-in for ``v``, or ``v`` itself."""
+    if isinstance(v, argparse.Namespace):
+        return dict(vars(v))
+    if isinstance(v, os.PathLike):
+        return os.fspath(v)
+    if isinstance(v, type):
+        return f"{v.__module__}.{v.__qualname__}"
+    module = type(v).__module__.split(".")[0]
+    if module == "numpy":
+        import numpy as np
+        import torch
+
+        if isinstance(v, np.generic):
+            return v.item()
+        if isinstance(v, np.ndarray):
+            return torch.from_numpy(v.copy())
+    if module == "omegaconf":
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(v, resolve=True)
+    if isinstance(v, dict) and type(v) not in (dict, OrderedDict):
+        return dict(v)  # AttributeDict and other dict subclasses
+    return v

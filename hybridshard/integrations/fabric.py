@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 import hybridshard as hs
-from hybridshard.integrations.common import STRATEGY_NAMES, require, shard_model, sharded_module
+from hybridshard.integrations.common import STRATEGY_NAMES, plain_values, require, shard_model, sharded_module
 from hybridshard.integrations.lightning_base import LightningStrategyBase
 from hybridshard.state.checkpoint import read_extra
 
@@ -104,6 +104,9 @@ class HybridShardFabricStrategy(LightningStrategyBase, ParallelStrategy):
                 "without them"
             )
         module, optimizer, rest = _split(state)
+        rest, converted = plain_values(rest, "state")
+        if converted:
+            logger.info("state made plain for %s: %s", path, ", ".join(converted))
         result = hs.save_checkpoint(str(path), module, optimizer=optimizer, extra=rest)
         logger.info("saved %s: %d bytes on this rank in %.2f s", result.path, result.bytes_per_rank[self.global_rank],
                     result.seconds)

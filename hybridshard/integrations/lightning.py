@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 import hybridshard as hs
-from hybridshard.integrations.common import STRATEGY_NAMES, require, shard_model
+from hybridshard.integrations.common import STRATEGY_NAMES, plain_values, require, shard_model
 from hybridshard.integrations.lightning_base import LightningStrategyBase
 from hybridshard.state.checkpoint import read_extra
 
@@ -211,13 +211,17 @@ class HybridShardStrategy(LightningStrategyBase, ParallelStrategy):
         (Lightning's ``Trainer.save_checkpoint`` does), unlike DDP's rank-0 file, and it loads on
         another topology or strategy. ``load_checkpoint`` runs after setup, reads model and optimizer
         in place, and hands Lightning the rest back. ``ModelCheckpoint`` and ``ckpt_path=`` work as
-        with any strategy; rank 0 removes old checkpoints (``remove_checkpoint``) as usual."""
+        with any strategy; rank 0 removes old checkpoints (``remove_checkpoint``) as usual. Lightning's
+        entries are made plain first (:func:`~hybridshard.integrations.common.plain_values`: its
+        ``AttributeDict`` hyperparameters, paths, numpy scalars ...), so the resume reads them as data."""
         if storage_options is not None:
             raise ValueError(
                 f"HybridShardStrategy.save_checkpoint writes a directory and takes no storage_options (got "
                 f"{storage_options!r}); call trainer.save_checkpoint(path) without them"
             )
-        extra = {k: v for k, v in checkpoint.items() if k not in _DROPPED}
+        extra, converted = plain_values({k: v for k, v in checkpoint.items() if k not in _DROPPED}, "checkpoint")
+        if converted:
+            logger.info("checkpoint state made plain for %s: %s", filepath, ", ".join(converted))
         result = hs.save_checkpoint(str(filepath), self.sharded,
                                     optimizer=self.optimizers[0] if self.optimizers else None, extra=extra)
         logger.info("saved %s: %d bytes on this rank in %.2f s", result.path, result.bytes_per_rank[self.global_rank],

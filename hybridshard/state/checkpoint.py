@@ -21,6 +21,9 @@ that leaves ``<path>.partial`` and no ``<path>``, so the previous checkpoint sta
 complete one (:func:`latest_checkpoint` ignores ``.partial``). Overwriting an existing ``<path>``
 moves it to ``<path>.old`` first and deletes it after the rename; a crash between the two renames
 leaves ``<path>.old``, which :func:`load_checkpoint` falls back to.
+
+Loading reads the checkpoint as data: see [Note: checkpoints are data] in
+:mod:`hybridshard.state.trust` and :class:`hybridshard.state.reader.CheckedReader`.
 """
 
 from __future__ import annotations
@@ -47,8 +50,11 @@ from hybridshard.state import optim as O
 from hybridshard.state.access import (
     check_idle, gather_slices, is_sharded, local_params, module_state_dict, param_ranges, units,
 )
+from hybridshard.state.matching import check_model, check_state_size
 from hybridshard.state.planner import Piece, PieceLoadPlanner, PieceSavePlanner
 from hybridshard.state.progress import ProgressWriter
+from hybridshard.state.reader import CheckedReader
+from hybridshard.state.trust import UnsafeCheckpointError, check_plain
 from hybridshard.runtime.position import api_call
 
 logger = logging.getLogger(__name__)
@@ -155,6 +161,9 @@ def save_checkpoint(
         manifest_optim = {"class": type(optimizer).__name__, "num_groups": len(groups), "per_element": per_element}
     if extra is not None:
         plain["extra"] = extra
+    for key, value in plain.items():  # read back with weights_only=True; see [Note: checkpoints are data]
+        if not torch.is_tensor(value):
+            check_plain(value, key)
     topology = _topology(model)
 
     if rank == 0:
@@ -204,6 +213,8 @@ def save_checkpoint(
 def _unwrap(exc: CheckpointException, what: str) -> Exception:
     """DCP's ``CheckpointException`` (a ``BaseException``) as the first rank's own error type and message."""
     rank, (first, _) = min(exc.failures.items(), key=lambda kv: kv[0])
+    if isinstance(first, UnsafeCheckpointError):
+        return UnsafeCheckpointError(str(first))  # its first line says it all
     kind = ValueError if isinstance(first, ValueError) else RuntimeError
     return kind(f"{what} failed on rank {rank}: {first}")
 
@@ -255,8 +266,17 @@ def latest_checkpoint(directory: str | os.PathLike) -> str | None:
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path``; ``ValueError`` if ``path`` is not a complete checkpoint."""
     path = _resolve(os.fspath(path))
-    with open(os.path.join(path, MANIFEST)) as f:
-        return json.load(f)
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except ValueError as exc:  # not JSON (json never runs code: nothing was executed)
+        raise ValueError(
+            f"checkpoint {path}: {MANIFEST} is not JSON ({exc}); the checkpoint is damaged or was edited: load an "
+            "earlier one (hybridshard.latest_checkpoint)"
+        ) from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"checkpoint {path}: {MANIFEST} holds a {type(manifest).__name__}, expected a JSON object")
+    return manifest
 
 
 def _resolve(path: str) -> str:
@@ -274,7 +294,8 @@ def _resolve(path: str) -> str:
 
 @api_call
 def load_checkpoint(
-    path: str | os.PathLike, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
+    trusted: bool = False,
 ) -> Any:
     """Load the checkpoint at ``path`` into ``model`` (and ``optimizer``); return the saved ``extra``.
 
@@ -282,22 +303,27 @@ def load_checkpoint(
     layout wrote them. Collective for a sharded model; a plain model loads in one process without
     a process group. Names, shapes and optimizer groups are checked first, and every value is read
     into fresh buffers before anything is copied, so an error leaves model and optimizer unchanged.
+
+    The checkpoint is read as data (see [Note: checkpoints are data]): a pickled object outside the
+    allow-lists raises :class:`~hybridshard.state.trust.UnsafeCheckpointError` before it runs.
+    ``trusted=True`` (or ``HYBRIDSHARD_TRUST_CHECKPOINTS=1``) reads it with full pickle, as DCP does.
     """
     path = _resolve(os.path.abspath(os.fspath(path)))
     sharded = is_sharded(model)
     if sharded:
         check_idle(model, "load_checkpoint")
-    reader = dcp.FileSystemReader(path)
+    reader = CheckedReader(path, trusted=trusted)
     stored = reader.read_metadata().state_dict_metadata
     manifest = read_manifest(path)
     places = param_ranges(model)
     local = local_params(model)
     buffers = _buffers(model, set(places))
-    _check_model(path, stored, places, buffers)
+    check_model(path, stored, places, buffers)
     if optimizer is not None:
         if manifest.get("optimizer") is None:
             raise ValueError(f"{path} holds no optimizer state (saved without optimizer=); load it without optimizer=")
-        O.check_groups(model, optimizer, _read_bytes(reader, "optim.param_groups"))
+        saved_groups = read_entries(reader, ["optim.param_groups"], what=f"load_checkpoint({path})")
+        O.check_groups(model, optimizer, saved_groups["optim.param_groups"])
 
     pieces: dict[str, list[Piece]] = {}
     plain: dict[str, Any] = {}
@@ -318,6 +344,7 @@ def load_checkpoint(
             if name not in places:
                 raise ValueError(f"{path} has optimizer state for {name!r}, which this model lacks")
             shape, start, numel, _ = places[name]
+            check_state_size(path, fqn, md, shape, per_element=key in per_element.get(name, []))
             if key in per_element.get(name, []):
                 pieces[fqn] = [Piece(shape, start, torch.empty(numel, dtype=md.properties.dtype))] if numel else []
                 targets[fqn] = pieces[fqn][0].flat if numel else torch.empty(0, dtype=md.properties.dtype)
@@ -329,7 +356,8 @@ def load_checkpoint(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(plain, storage_reader=reader, planner=PieceLoadPlanner(pieces), no_dist=not sharded)
+            planner = PieceLoadPlanner(pieces, checkpoint=path, trusted=reader.trusted)
+            dcp.load(plain, storage_reader=reader, planner=planner, no_dist=not sharded)
         except CheckpointException as exc:
             raise _unwrap(exc, f"load_checkpoint({path})") from None
     logger.info("load %s: read in %.2f s", path, time.perf_counter() - t0)
@@ -359,46 +387,25 @@ def load_checkpoint(
     return plain.get("extra")
 
 
-def read_extra(path: str | os.PathLike) -> Any:
+def read_extra(path: str | os.PathLike, *, trusted: bool = False) -> Any:
     """The ``extra`` the checkpoint at ``path`` was saved with (``None`` if none), read on its own: no
-    model, no process group, so a caller can check it before :func:`load_checkpoint` changes anything."""
+    model, no process group, so a caller can check it before :func:`load_checkpoint` changes anything.
+    Read as data, as :func:`load_checkpoint` reads it (``trusted`` as there)."""
     path = _resolve(os.path.abspath(os.fspath(path)))
-    reader = dcp.FileSystemReader(path)
+    reader = CheckedReader(path, trusted=trusted)
     if "extra" not in reader.read_metadata().state_dict_metadata:
         return None
-    return _read_bytes(reader, "extra")
+    return read_entries(reader, ["extra"], what=f"read_extra({path})")["extra"]
 
 
-def _read_bytes(reader: dcp.FileSystemReader, key: str) -> Any:
-    """One bytes entry (small: hyperparameters), read on its own so it can be checked first."""
-    out: dict[str, Any] = {key: None}
+def read_entries(reader: CheckedReader, keys: list[str], *, what: str) -> dict[str, Any]:
+    """Bytes entries (small: hyperparameters, ``extra``), read on their own so they can be checked first."""
+    out: dict[str, Any] = dict.fromkeys(keys)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(out, storage_reader=reader, planner=PieceLoadPlanner({}), no_dist=True)
-    return out[key]
-
-
-def _check_model(path: str, stored: dict[str, Any], places: dict, buffers: dict[str, torch.Tensor]) -> None:
-    """``ValueError`` naming every name and shape that differs between the checkpoint and the model."""
-    saved = {k[len("model."):]: md for k, md in stored.items() if k.startswith("model.")}
-    expected = {name: shape for name, (shape, _, _, _) in places.items()}
-    expected.update({k: tuple(v.shape) for k, v in buffers.items()})
-    missing = sorted(set(expected) - set(saved))
-    unexpected = sorted(set(saved) - set(expected))
-    shapes = [
-        f"{n}: checkpoint {list(saved[n].size)}, model {list(expected[n])}"
-        for n in sorted(set(saved) & set(expected))
-        if isinstance(saved[n], TensorStorageMetadata) and tuple(saved[n].size) != tuple(expected[n])
-    ]
-    if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        if unexpected:
-            parts.append(f"not in the model: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-        if shapes:
-            parts.append("shapes differ: " + "; ".join(shapes[:8]))
-        raise ValueError(
-            f"checkpoint {path} does not match the model ({', '.join(parts)}); load it into the model it was "
-            "saved from (the same parameter names and shapes; strategy and topology may differ)"
-        )
+        try:
+            dcp.load(out, storage_reader=reader, planner=PieceLoadPlanner({}, checkpoint=reader.root,
+                                                                          trusted=reader.trusted), no_dist=True)
+        except CheckpointException as exc:
+            raise _unwrap(exc, what) from None
+    return out

@@ -26,6 +26,7 @@ them, and the global planner keeps one writer per key.
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -35,6 +36,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from hybridshard.state.trust import is_trusted, load_bytes
 
 __all__ = ["Box", "Piece", "PieceLoadPlanner", "PieceSavePlanner", "flat_range_boxes", "replica_part"]
 
@@ -169,12 +172,23 @@ class PieceLoadPlanner(DefaultLoadPlanner):
     DCP computes the overlap of each requested box with every stored box, so any stored layout
     fills any requested one. A key whose requested elements the stored boxes do not fully cover (a
     checkpoint a tool edited, or one written by an incomplete save) raises ``ValueError`` while
-    planning, before anything is read.
+    planning, before anything is read. Bytes entries are read as data (see [Note: checkpoints are
+    data]): ``checkpoint`` names the checkpoint in a refusal, ``trusted`` reads them as DCP does.
     """
 
-    def __init__(self, pieces: dict[str, list[Piece]]) -> None:
+    def __init__(self, pieces: dict[str, list[Piece]], *, checkpoint: str = "", trusted: bool = False) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=False)
         self._chunks = _chunks_by_key(pieces)
+        self._checkpoint = checkpoint
+        self._trusted = is_trusted(trusted)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        info = self.metadata.storage_data.get(read_item.storage_index) if self.metadata else None
+        file = getattr(info, "relative_path", "?")
+        self.state_dict[read_item.dest_index.fqn] = load_bytes(
+            value.getvalue(), checkpoint=self._checkpoint or "(unnamed)", file=file, entry=read_item.dest_index.fqn,
+            trusted=self._trusted,
+        )
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
