@@ -1,15 +1,18 @@
 """A 4-rank job that fails in a chosen way, for the launcher's failure summary (tests/test_summary.py).
 
-    python tests/failure_job.py kill|raise|ok
+    python tests/failure_job.py kill|raise|oom|hang|ok
 
 Every rank trains a small sharded model for 4 steps and prints ``rank R step S`` each step; with
-``kill`` rank 3 SIGKILLs itself at step 2, with ``raise`` rank 1 raises its own ValueError there.
+``kill`` rank 3 SIGKILLs itself at step 2, with ``raise`` rank 1 raises its own ValueError there,
+with ``oom`` rank 2 raises MemoryError (out of host memory, as a test makes it), with ``hang`` rank 1
+sleeps there (the others wait in a collective; docs/launching.md shows what each prints).
 """
 
 import datetime
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -31,6 +34,10 @@ def main(mode: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == 2 and mode == "raise" and rank == 1:
             raise ValueError(f"rank {rank} found a bad batch at step {step}")
+        if step == 2 and mode == "oom" and rank == 2:
+            raise MemoryError("out of host memory allocating the step's activations (raised by the test)")
+        if step == 2 and mode == "hang" and rank == 1:
+            time.sleep(3600)
         loss = model(torch.randn(4, 8)).square().mean()
         opt.zero_grad()
         loss.backward()

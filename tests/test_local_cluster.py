@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,8 +42,10 @@ def assert_nothing_left(pid):
 
 
 def host_output(out, host):
+    """What ``host``'s rank 0 printed: its lines, ``[host] [rank<R>] `` prefixes removed."""
     prefix = f"[{host}] "
-    return "\n".join(line[len(prefix):] for line in out.splitlines() if line.startswith(prefix))
+    lines = (line[len(prefix):] for line in out.splitlines() if line.startswith(prefix))
+    return "\n".join(re.sub(r"^\[rank\d+\] ", "", line) for line in lines)
 
 
 def json_of(text):

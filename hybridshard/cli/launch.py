@@ -166,9 +166,8 @@ def prepare(argv: Sequence[str], env=None, *, probe: Callable | None = None) -> 
     if opts.fault_tolerant:  # nodes meet only at the lighthouse; restarts are each node's own
         options = dataclasses.replace(options, rdzv_backend=options.rdzv_backend or "static", max_restarts=None)
     settings = resolve_settings(options, env, count_gpus=lambda: len(node_and_gpus()[1]))
-    # Each replica group of a fault-tolerant job shows its own rank 0: its training lines.
     logs = NodeLogs.for_node(opts.log_dir or default_run_dir(env), settings.node_rank if settings.node_rank_fixed else None,
-                             show_rank0=True if opts.fault_tolerant else None)
+                             fault_tolerant=opts.fault_tolerant)
     opts.nnodes_expected = None if ":" in settings.nnodes or opts.fault_tolerant else int(settings.nnodes)
     ft = None
     if opts.fault_tolerant:
@@ -212,7 +211,10 @@ def run(args: argparse.Namespace) -> int:
     if opts.lighthouse_argv is None:
         rc = run_command(command, verbose=opts.verbose)
     else:
-        lighthouse = subprocess.Popen(list(opts.lighthouse_argv))
+        os.makedirs(command.logs.run_dir, exist_ok=True)
+        with open(os.path.join(command.logs.run_dir, "lighthouse.log"), "ab") as log:  # its routine logging
+            lighthouse = subprocess.Popen(list(opts.lighthouse_argv), stdout=None if opts.verbose else log,
+                                          stderr=None if opts.verbose else subprocess.STDOUT)
         try:
             rc = run_command(command, verbose=opts.verbose)
         finally:

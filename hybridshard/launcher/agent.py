@@ -26,7 +26,7 @@ import time
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from hybridshard.launcher.runlog import NODE_RECORD, read_error_file, traceback_from_log, write_json
+from hybridshard.launcher.runlog import NODE_RECORD, last_output, read_error_file, traceback_from_log, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +97,10 @@ class RecordingLogsSpecs(DefaultLogsSpecs):
             err = read_error_file(rank.get("error_file"))
             if err is not None:
                 why += ": " + err.message.splitlines()[0]
-            elif exitcode > 0:
-                found = traceback_from_log(rank.get("stderr"))
-                why += (": " + found[1]) if found else ""
+            elif exitcode > 0 and traceback_from_log(rank.get("stderr")) is not None:
+                why += ": " + traceback_from_log(rank.get("stderr"))[1]
+            elif last_output(rank.get("stdout"), rank.get("stderr")):
+                why += "; last output: " + last_output(rank.get("stdout"), rank.get("stderr"))
             text = f"rank {rank.get('rank', '?')} ({self.record['node']}, local rank {local}) {why}"
         else:
             text = "another node's workers failed (this node's all ran)"

@@ -32,7 +32,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 __all__ = ["NODE_RECORD", "TORCHRUN_LOG", "NodeLogs", "default_run_dir", "ErrorRecord", "write_error_file", "read_error_file",
-           "read_node_records", "write_json", "traceback_from_log"]
+           "read_node_records", "write_json", "traceback_from_log", "last_output"]
 
 NODE_RECORD = "node.json"
 TORCHRUN_LOG = "torchrun.log"
@@ -47,15 +47,19 @@ class NodeLogs:
     node_dir: str
     show_rank0: bool
     """Tee local rank 0's lines to the console (node rank 0, or every node when ranks are unfixed)."""
+    shown_streams: str = "3"
+    """torchrun's ``--tee`` value: 3 both streams, 1 stdout only (fault-tolerant jobs: torchft logs to stderr)."""
 
     @classmethod
-    def for_node(cls, run_dir: str, node_rank: int | None, show_rank0: bool | None = None) -> NodeLogs:
+    def for_node(cls, run_dir: str, node_rank: int | None, *, fault_tolerant: bool = False) -> NodeLogs:
         run_dir = os.path.abspath(run_dir)
         name = f"node{node_rank}" if node_rank is not None else f"{socket.gethostname()}-{os.getpid()}"
-        return cls(run_dir, os.path.join(run_dir, name), node_rank in (None, 0) if show_rank0 is None else show_rank0)
+        # Each replica group of a fault-tolerant job shows its own rank 0's training lines.
+        show = fault_tolerant or node_rank in (None, 0)
+        return cls(run_dir, os.path.join(run_dir, name), show, "1" if fault_tolerant else "3")
 
     def torchrun_args(self) -> list[str]:
-        shown = ["--tee", "3", "--local-ranks-filter", "0"] if self.show_rank0 else []
+        shown = ["--tee", self.shown_streams, "--local-ranks-filter", "0"] if self.show_rank0 else []
         return ["--log-dir", self.node_dir, "--redirects", "3", *shown]
 
 
@@ -170,3 +174,16 @@ def traceback_from_log(path: str | None) -> tuple[str, str] | None:
             break
     block = lines[first:end]
     return "\n".join(block), block[-1] if block else ""
+
+
+def last_output(*paths: str | None) -> str:
+    """The last non-blank line among the logs at ``paths`` (of the one written last)."""
+    best, best_mtime = "", -1.0
+    for path in paths:
+        if not path or not os.path.isfile(path):
+            continue
+        with open(path, errors="replace") as f:
+            lines = [line for line in f.read().splitlines() if line.strip()]
+        if lines and os.path.getmtime(path) > best_mtime:
+            best, best_mtime = lines[-1].strip(), os.path.getmtime(path)
+    return best

@@ -18,7 +18,7 @@ import signal
 from dataclasses import dataclass
 from enum import Enum
 
-from hybridshard.launcher.runlog import read_error_file, read_node_records, traceback_from_log
+from hybridshard.launcher.runlog import last_output, read_error_file, read_node_records, traceback_from_log
 
 __all__ = ["Ending", "RankEnding", "rank_endings", "render_summary"]
 
@@ -61,18 +61,6 @@ class RankEnding:
         return f"exit code {self.exitcode}"
 
 
-def _last_output(*paths: str | None) -> str:
-    best, best_mtime = "", -1.0
-    for path in paths:
-        if not path or not os.path.isfile(path):
-            continue
-        with open(path, errors="replace") as f:
-            lines = [line for line in f.read().splitlines() if line.strip()]
-        if lines and os.path.getmtime(path) > best_mtime:
-            best, best_mtime = lines[-1].strip(), os.path.getmtime(path)
-    return best
-
-
 def _ending_of(node: dict, rank: dict, failure: dict | None) -> RankEnding:
     base = dict(rank=rank["rank"], host=node.get("node", "?"), local_rank=rank["local_rank"],
                 stdout=rank.get("stdout"), stderr=rank.get("stderr"))
@@ -91,7 +79,7 @@ def _ending_of(node: dict, rank: dict, failure: dict | None) -> RankEnding:
     if found is not None:
         return RankEnding(ending=Ending.CAUSE, exitcode=code, time=failure["time"], first_line=found[1],
                           traceback=found[0], **base)
-    last = _last_output(rank.get("stdout"), rank.get("stderr"))
+    last = last_output(rank.get("stdout"), rank.get("stderr"))
     return RankEnding(ending=Ending.CAUSE, exitcode=code, time=failure["time"],
                       first_line=f"last output: {last}" if last else "", **base)
 
@@ -167,7 +155,7 @@ def render_summary(run_dir: str, nodes: list[dict] | None = None, *, expected_no
                      "(a node lost before it started, or not sharing this directory: see its own console)")
     lines.append(f"logs: {run_dir}/<node>/: each rank's stdout.log and stderr.log, torchrun's torchrun.log")
     if cause is not None and (cause.stderr or cause.stdout):
-        lines.append(f"  rank {cause.rank}: {cause.stderr or cause.stdout}")
+        lines.append(f"  rank {cause.rank}: {os.path.dirname(cause.stderr or cause.stdout)}/{{stdout,stderr}}.log")
     if failed:
         lines.append("next: fix the root cause and run again (with checkpoints, --resume continues from the latest); "
                      "--max-restarts N restarts in place instead")
