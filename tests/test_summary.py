@@ -67,6 +67,20 @@ def test_root_cause_is_the_first_own_failure_not_the_first_consequence(tmp_path)
     assert "  rank 3 (b): finished" in lines
 
 
+def test_a_hang_names_the_rank_that_reported_it_not_the_one_its_agent_stopped(tmp_path):
+    # Rank 0's watchdog stopped it (a consequence, precise time); its agent then stopped rank 1, whose
+    # time torchrun gives in whole seconds, earlier on paper.
+    (tmp_path / "a").mkdir()
+    _error_file(str(tmp_path / "a" / "0.json"), "CollectiveError: rank 0: step check cannot complete", 31.8,
+                consequence=True)
+    _node(tmp_path, "a", 0, [0, 1], [{"rank": 0, "local_rank": 0, "exitcode": 1, "time": 31.8,
+                                      "error_file": str(tmp_path / "a" / "0.json")},
+                                     {"rank": 1, "local_rank": 1, "exitcode": -15, "time": 31.0, "error_file": None}])
+    lines = render_summary(str(tmp_path))
+    assert lines[0].startswith("hybridshard: job failed: root cause rank 0 (a, local rank 0), exit code 1"), lines
+    assert "  rank 1 (a): stopped by its agent after rank 0 failed" in lines
+
+
 def test_a_killed_rank_is_named_with_its_signal_and_last_output(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "1.out").write_text("step 0\nrank 1: killing myself\n")

@@ -13,8 +13,9 @@ last one in ``TORCHELASTIC_ERROR_FILE``). Beside them the node leaves:
 
 ``error.json`` is torch's error-file format (what ``@record`` writes: ``message.message`` and
 ``message.extraInfo.{py_callstack,timestamp}``); a process that trained with the runtime writes it
-itself for an uncaught exception or a stop, adding ``extraInfo.hybridshard`` (a float time, and
-whether the error is a consequence of another rank's failure). Everything here is read after
+itself for an uncaught exception or a stop (:func:`hybridshard.runtime.faults.write_error_file`),
+adding ``extraInfo.hybridshard``: ``time`` (float seconds) and ``consequence`` (the error is the
+consequence of another rank's failure). Everything here is read after
 torchrun returned, so it works when the job's store is gone.
 """
 
@@ -25,18 +26,16 @@ import logging
 import os
 import socket
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NODE_RECORD", "TORCHRUN_LOG", "NodeLogs", "default_run_dir", "ErrorRecord", "write_error_file", "read_error_file",
+__all__ = ["NODE_RECORD", "TORCHRUN_LOG", "NodeLogs", "default_run_dir", "ErrorRecord", "read_error_file",
            "read_node_records", "write_json", "traceback_from_log", "last_output"]
 
 NODE_RECORD = "node.json"
 TORCHRUN_LOG = "torchrun.log"
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
 @dataclass(frozen=True)
@@ -90,24 +89,6 @@ def write_json(path: str, data: Any) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
     os.replace(tmp, path)
-
-
-def write_error_file(error: BaseException, *, consequence: bool, message: str | None = None) -> None:
-    """Write this worker's error file (torch's format, see [Note: run directory]) unless there is none
-    to write or one is there already (``@record`` or an earlier error wrote it)."""
-    path = os.environ.get(ERROR_FILE_ENV)
-    if not path or os.path.exists(path):
-        return
-    now = time.time()
-    text = message if message is not None else f"{type(error).__name__}: {error}"
-    stack = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    data = {"message": {"message": text, "extraInfo": {
-        "py_callstack": stack, "timestamp": str(int(now)),
-        "hybridshard": {"time": now, "consequence": consequence}}}}
-    try:
-        write_json(path, data)
-    except OSError:
-        logger.debug("could not write the error file %s", path, exc_info=True)
 
 
 def read_error_file(path: str | None) -> ErrorRecord | None:

@@ -5,7 +5,8 @@ Every rank of a failed job ends in one of a few ways (:class:`Ending`). Its time
 file gives (the runtime writes a float), else when torchrun saw it fail. The root cause is the
 earliest rank that failed on its own (raised, exited non-zero, killed by a signal other than the
 agent's SIGTERM); only when there is none, the earliest that failed as a consequence (the runtime's
-``CollectiveError`` says which rank it lost) or was stopped by its agent. Reading order: the root
+``CollectiveError`` says which rank it lost, or that every rank is alive: a hang), and only then one
+its agent stopped (torchrun's times are whole seconds: they never outrank an error file's). Reading order: the root
 cause with its first error line and, once, its traceback; one line per other rank; where the logs
 are; what to do.
 """
@@ -98,7 +99,7 @@ def rank_endings(nodes: list[dict]) -> list[RankEnding]:
 
 def root_cause(endings: list[RankEnding]) -> RankEnding | None:
     """See [Note: root cause]."""
-    for kinds in ((Ending.CAUSE,), (Ending.CONSEQUENCE, Ending.STOPPED)):
+    for kinds in ((Ending.CAUSE,), (Ending.CONSEQUENCE,), (Ending.STOPPED,)):
         found = [e for e in endings if e.ending in kinds]
         if found:
             return min(found, key=lambda e: (e.time if e.time is not None else float("inf"), e.rank))

@@ -29,7 +29,6 @@ import threading
 import time
 from typing import Any
 
-from hybridshard.launcher.runlog import write_error_file
 from hybridshard.runtime import faults, peers
 from hybridshard.runtime.position import where
 from hybridshard.runtime.watchdog import my_status
@@ -67,7 +66,7 @@ def _publish_raised(error: BaseException) -> None:
     if isinstance(error, (KeyboardInterrupt, SystemExit)):
         return
     _RAISED["raised"] = True  # no "finished" check at exit: this rank did not finish
-    write_error_file(error, consequence=isinstance(error, faults.CollectiveError))
+    faults.write_error_file(error, consequence=isinstance(error, faults.CollectiveError))
     try:
         faults.announce(error)
     except Exception:  # noqa: BLE001 - never hide the user's own error

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hybridshard.launcher.runlog import write_error_file
 from hybridshard.runtime import faults, peers
 from hybridshard.runtime.position import Where, current_where, snapshot
 from hybridshard.topology.groups import group_ranks
@@ -217,7 +216,7 @@ def _stop_if_peers_gone() -> None:
     if message is None:
         return
     logger.critical("%s", message)
-    write_error_file(faults.CollectiveError(message), consequence=True)
+    faults.write_error_file(faults.CollectiveError(message), consequence=True)
     peers.publish("failed", f"rank {peers.identity()[0]} stopped: {faults.first_line(message)}")
     faults.stop_now(1)
 
