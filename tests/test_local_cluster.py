@@ -49,7 +49,8 @@ def host_output(out, host):
 
 
 def json_of(text):
-    return json.loads(text[text.index("\n{") + 1 if not text.startswith("{") else 0:])
+    """The JSON document in ``text``: the rank's stderr lines, teed apart from its stdout, may follow it."""
+    return json.JSONDecoder().raw_decode(text[text.index("\n{") + 1 if not text.startswith("{") else 0:])[0]
 
 
 # -- without namespaces --------------------------------------------------------------------------

@@ -159,16 +159,24 @@ def assert_full_logs(run_dir, ranks_and_steps):
         assert f"rank {rank} stderr line {steps - 1}" in err
 
 
-def test_job_with_a_killed_rank(tmp_path):
-    rc, lines, run_dir = run_job("kill", tmp_path, 29641)
+def failed_job(mode, tmp_path, port, cause, first_line):
+    """Run a job that fails; check its summary's root cause (``cause``: what follows ``root cause``) and
+    first line, and the bounded console. Returns ``(console text, run directory)``."""
+    rc, lines, run_dir = run_job(mode, tmp_path, port)
     text = "\n".join(lines)
     assert rc != 0, text
     [head] = [line for line in lines if "job failed: root cause" in line]
-    assert "root cause rank 3 (" in head and "local rank 1), killed by SIGKILL" in head, text
-    assert lines[lines.index(head) + 1] == "  last output: rank 3: killing myself at step 2", text
-    assert "Traceback" not in text, text  # the survivors' tracebacks stay in their logs
-    assert "ChildFailedError" not in text and "FAILED" not in text, text  # torchrun's banner too
+    assert f"root cause {cause}" in head, text
+    assert lines[lines.index(head) + 1] == f"  {first_line}", text
+    assert "ChildFailedError" not in text and "FAILED" not in text, text  # torchrun's banner
     assert len(lines) <= MAX_LINES, text
+    return text, run_dir
+
+
+def test_job_with_a_killed_rank(tmp_path):
+    text, run_dir = failed_job("kill", tmp_path, 29641, "rank 3 (", "last output: rank 3: killing myself at step 2")
+    assert "local rank 1), killed by SIGKILL" in text
+    assert "Traceback" not in text, text  # the survivors' tracebacks stay in their logs
     assert_full_logs(run_dir, {0: 2, 1: 2, 2: 2})
     assert rank_logs(run_dir, 3)[0].splitlines()[-1] == "rank 3: killing myself at step 2"
     assert "Traceback" in rank_logs(run_dir, 0)[1]  # rank 0's full output, the traceback included
@@ -176,15 +184,11 @@ def test_job_with_a_killed_rank(tmp_path):
 
 
 def test_job_with_a_rank_raising_its_own_error(tmp_path):
-    rc, lines, run_dir = run_job("raise", tmp_path, 29643)
-    text = "\n".join(lines)
-    assert rc != 0, text
-    [head] = [line for line in lines if "job failed: root cause" in line]
-    assert "root cause rank 1 (" in head and "local rank 1), exit code 1" in head, text
-    assert lines[lines.index(head) + 1] == "  ValueError: rank 1 found a bad batch at step 2", text
+    text, run_dir = failed_job("raise", tmp_path, 29643, "rank 1 (",
+                               "ValueError: rank 1 found a bad batch at step 2")
+    assert "local rank 1), exit code 1" in text
     assert text.count("Traceback (most recent call last)") == 1, text
     assert text.count('raise ValueError(f"rank {rank} found a bad batch') == 1, text
-    assert len(lines) <= MAX_LINES, text
     assert_full_logs(run_dir, {0: 2, 2: 2, 3: 2})
     assert "ValueError: rank 1 found a bad batch at step 2" in rank_logs(run_dir, 1)[1]
 
