@@ -71,14 +71,17 @@ def test_a_hang_names_the_rank_that_reported_it_not_the_one_its_agent_stopped(tm
     # Rank 0's watchdog stopped it (a consequence, precise time); its agent then stopped rank 1, whose
     # time torchrun gives in whole seconds, earlier on paper.
     (tmp_path / "a").mkdir()
-    _error_file(str(tmp_path / "a" / "0.json"), "CollectiveError: rank 0: step check cannot complete", 31.8,
-                consequence=True)
+    _error_file(str(tmp_path / "a" / "0.json"), "CollectiveError: rank 0: step check cannot complete\n"
+                "where every rank is:\n   running  rank 1: not in a collective", 31.8, consequence=True)
     _node(tmp_path, "a", 0, [0, 1], [{"rank": 0, "local_rank": 0, "exitcode": 1, "time": 31.8,
                                       "error_file": str(tmp_path / "a" / "0.json")},
                                      {"rank": 1, "local_rank": 1, "exitcode": -15, "time": 31.0, "error_file": None}])
     lines = render_summary(str(tmp_path))
     assert lines[0].startswith("hybridshard: job failed: root cause rank 0 (a, local rank 0), exit code 1"), lines
     assert "  rank 1 (a): stopped by its agent after rank 0 failed" in lines
+    # A consequence leading the summary shows its message (where every rank is), not its traceback.
+    assert lines[2:4] == ["  | where every rank is:", "  |    running  rank 1: not in a collective"], lines
+    assert not any("Traceback" in line for line in lines)
 
 
 def test_a_killed_rank_is_named_with_its_signal_and_last_output(tmp_path):

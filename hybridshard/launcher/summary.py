@@ -47,6 +47,8 @@ class RankEnding:
     exitcode: int | None = None
     time: float | None = None
     first_line: str = ""
+    message: str = ""
+    """The whole error message (the runtime's names every rank's state)."""
     traceback: str = ""
     stdout: str | None = None
     stderr: str | None = None
@@ -73,7 +75,7 @@ def _ending_of(node: dict, rank: dict, failure: dict | None) -> RankEnding:
     if err is not None:
         ending = Ending.CONSEQUENCE if err.consequence else Ending.CAUSE
         return RankEnding(ending=ending, exitcode=code, time=err.time, first_line=err.message.splitlines()[0],
-                          traceback=err.callstack.rstrip(), **base)
+                          message=err.message, traceback=err.callstack.rstrip(), **base)
     if code == -signal.SIGTERM:
         return RankEnding(ending=Ending.STOPPED, exitcode=code, time=failure["time"], **base)
     found = traceback_from_log(rank.get("stderr")) if code > 0 else None
@@ -133,8 +135,10 @@ def render_summary(run_dir: str, nodes: list[dict] | None = None, *, expected_no
         lines.append(f"hybridshard: job failed: root cause rank {cause.rank} ({cause.host}, local rank {cause.local_rank}), {what}")
         if cause.first_line:
             lines.append("  " + _clip(cause.first_line))
-        if cause.traceback:
-            lines += ["  | " + line for line in cause.traceback.splitlines()]
+        # A consequence (no rank failed on its own: a hang) is explained by its message, not its traceback.
+        shown = cause.traceback if cause.ending is not Ending.CONSEQUENCE or verbose else "\n".join(
+            cause.message.splitlines()[1:])
+        lines += ["  | " + line for line in shown.splitlines()]
     restarts = [r for n in nodes for r in n.get("restarts", [])]
     for r in sorted(restarts, key=lambda r: r["time"]):
         lines.append(f"  restart {r['attempt']}: {_clip(r['text'])}")
