@@ -430,3 +430,23 @@ def test_fault_tolerant_launch_without_torchft_names_the_extra(monkeypatch, caps
             "--dry-run", "train.py"]
     assert launch.run(argparse.Namespace(argv=argv, extra=[])) == 2
     assert "pip install hybridshard[ft]" in capsys.readouterr().err
+
+
+def test_membership_says_one_line_per_change_from_one_group():
+    """[Note: membership lines]: a loss is said by the group now first, a return by the group first before it."""
+    from hybridshard.ft.membership import Membership
+
+    m = Membership(speaks=False)
+    said = [m.observe(committed=c, live=n, step=s, first=f, now=t) for c, n, s, f, t in [
+        (True, 3, 10, True, 0.0), (False, 3, 10, True, 1.0), (False, 3, 10, True, 2.0), (True, 2, 11, True, 3.5),
+        (True, 2, 12, True, 4.0), (True, 3, 40, True, 9.0), (True, 3, 41, True, 9.5)]]
+    assert [s for s in said if s] == [
+        "step 11: replica groups 3 -> 2 (1 lost); 2 steps retried, 2.5 s lost",
+        "step 40: replica groups 2 -> 3 (1 back, healed from the live groups' state; it missed steps 11..39)"]
+    # A group that is not first after the loss says nothing of it; a group that came back never speaks.
+    quiet = Membership(speaks=False)
+    assert quiet.observe(committed=True, live=3, step=1, first=False) is None
+    assert quiet.observe(committed=True, live=2, step=2, first=False) is None
+    back = Membership(speaks=False)
+    assert back.observe(committed=True, live=3, step=40, first=True) is None
+    assert back.observe(committed=True, live=3, step=41, first=True) is None

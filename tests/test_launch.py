@@ -176,9 +176,10 @@ def test_dry_run_under_slurm(capsys, monkeypatch):
     assert rc == 0
     command = out.strip().splitlines()[-1]
     port = slurm_port("777")
-    assert command == (f"{sys.executable} -m torch.distributed.run --nnodes 2 --node-rank 1 --nproc-per-node 4 "
-                       f"--rdzv-backend static --master-addr gpu07 --master-port {port} --max-restarts 0 "
-                       "train.py --steps 3")
+    logs = os.path.join(os.getcwd(), "hybridshard-logs", "job777", "node1")
+    assert command == (f"{sys.executable} -m hybridshard.launcher.agent --log-dir {logs} --redirects 3 "
+                       f"--nnodes 2 --node-rank 1 --nproc-per-node 4 --rdzv-backend static --master-addr gpu07 "
+                       f"--master-port {port} --max-restarts 0 train.py --steps 3")
     assert "nnodes=slurm" in out and "rdzv_host=slurm" in out and f"host gpu07 port {port}" in out
 
 
@@ -242,9 +243,10 @@ def test_real_launch_runs_torchrun(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "hybridshard", "launch", "--nproc-per-node", "2", str(script)],
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert sorted(p.read_text() for p in tmp_path.glob("r*")) == ["2 0", "2 1"]
+    assert len(list(tmp_path.glob("hybridshard-logs/run-*/node0/*/attempt_0/[01]/stdout.log"))) == 2
 
 
 # -- NUMA binding ---------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """`launch/local-cluster`: real hosts in network namespaces, shaping, and cleanup on every exit path."""
 
+import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,12 +43,22 @@ def assert_nothing_left(pid):
 
 
 def host_output(out, host):
+    """What ``host``'s rank 0 printed: its lines, ``[host] [rank<R>] `` prefixes removed."""
     prefix = f"[{host}] "
-    return "\n".join(line[len(prefix):] for line in out.splitlines() if line.startswith(prefix))
+    lines = (line[len(prefix):] for line in out.splitlines() if line.startswith(prefix))
+    return "\n".join(re.sub(r"^\[rank\d+\] ", "", line) for line in lines)
 
 
 def json_of(text):
     return json.loads(text[text.index("\n{") + 1 if not text.startswith("{") else 0:])
+
+
+def rank0_stdout(tmp_path):
+    """Rank 0's stdout, from its log in the run directory (on the console its stderr lines, teed apart,
+    may come in between)."""
+    [path] = glob.glob(str(tmp_path / "hybridshard-logs" / "run-*" / "node0" / "*" / "attempt_0" / "0" / "stdout.log"))
+    with open(path) as f:
+        return f.read()
 
 
 # -- without namespaces --------------------------------------------------------------------------
@@ -109,7 +121,7 @@ def test_two_hosts_report_two_nodes_and_same_host_shard_groups(tmp_path):
                   "python", "-m", "hybridshard", "topo", "--cluster", "--json"], tmp_path)
     rc, out, err = finish(proc)
     assert rc == 0, out + err
-    report = json_of(host_output(out, "host0"))
+    report = json_of(rank0_stdout(tmp_path))
     nodes = {n["name"]: sorted(r["rank"] for r in n["ranks"]) for n in report["cluster"]["nodes"]}
     assert nodes == {"host0": [0, 1], "host1": [2, 3]}
     assert sorted(map(sorted, report["plan"]["shard_groups"])) == [[0, 1], [2, 3]]
@@ -124,7 +136,7 @@ def test_shaped_inter_node_link_is_far_slower(tmp_path):
                   "--sizes", "1048576"], tmp_path)
     rc, out, err = finish(proc)
     assert rc == 0, out + err
-    rows = json_of(host_output(out, "host0"))["bandwidth"]["rows"]
+    rows = json_of(rank0_stdout(tmp_path))["bandwidth"]["rows"]
     shard = sorted(r["busbw_gbps"] for r in rows if r["kind"] in ("all_gather", "reduce_scatter"))
     replicate = [r["busbw_gbps"] for r in rows if r["kind"] == "all_reduce"]
     assert len(shard) == 4 and len(replicate) == 2

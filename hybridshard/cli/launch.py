@@ -15,19 +15,23 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from hybridshard.launcher.ft import fault_tolerant
 from hybridshard.launcher.command import LaunchCommand, build_command, make_entry, run_command
 from hybridshard.launcher.numa import compute_binding
+from hybridshard.launcher.runlog import NodeLogs, default_run_dir, read_node_records
 from hybridshard.launcher.settings import LaunchOptions, resolve_settings
+from hybridshard.launcher.summary import render_summary
 
 logger = logging.getLogger(__name__)
 
 _VALUE_OPTIONS = ("--nnodes", "--node-rank", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint",
-                  "--rdzv-id", "--master-addr", "--master-port", "--max-restarts", "--lighthouse", "--from-smi")
-_FLAG_OPTIONS = ("--bind-numa", "--dry-run", "--fault-tolerant", "-h", "--help")
+                  "--rdzv-id", "--master-addr", "--master-port", "--max-restarts", "--lighthouse", "--from-smi",
+                  "--log-dir")
+_FLAG_OPTIONS = ("--bind-numa", "--dry-run", "--fault-tolerant", "--verbose", "--no-summary", "-h", "--help")
 _ENTRY_FLAGS = {"-m": "module", "--module": "module", "--no-python": "no_python", "--no_python": "no_python"}
 _REJECTED = {"--standalone": "give no rendezvous options for a one-node job (a free local port is used)"}
 
@@ -56,6 +60,13 @@ def _our_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
     p.add_argument("--from-smi", metavar="FILE",
                    help="with --dry-run: plan for the machine `nvidia-smi topo -m` printed into FILE")
+    p.add_argument("--log-dir", help="the run directory: each rank's stdout/stderr in its own file under "
+                                     "LOG_DIR/node<K>/ (default: hybridshard-logs/run-<date>-<time>, or job<SLURM_JOB_ID>); "
+                                     "give every node the same one on a shared file system")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show torchrun's own output and every rank's traceback on the console")
+    p.add_argument("--no-summary", action="store_true",
+                   help="print no failure summary (the caller prints one, as launch/local-cluster does)")
     return p
 
 
@@ -160,6 +171,9 @@ def prepare(argv: Sequence[str], env=None, *, probe: Callable | None = None) -> 
     if opts.fault_tolerant:  # nodes meet only at the lighthouse; restarts are each node's own
         options = dataclasses.replace(options, rdzv_backend=options.rdzv_backend or "static", max_restarts=None)
     settings = resolve_settings(options, env, count_gpus=lambda: len(node_and_gpus()[1]))
+    logs = NodeLogs.for_node(opts.log_dir or default_run_dir(env), settings.node_rank if settings.node_rank_fixed else None,
+                             fault_tolerant=opts.fault_tolerant)
+    opts.nnodes_expected = None if ":" in settings.nnodes or opts.fault_tolerant else int(settings.nnodes)
     ft = None
     if opts.fault_tolerant:
         ft = fault_tolerant(settings, opts.lighthouse, max_restarts=opts.max_restarts)
@@ -178,7 +192,7 @@ def prepare(argv: Sequence[str], env=None, *, probe: Callable | None = None) -> 
         from hybridshard.launcher.placement import describe_local_ranks
 
         opts.placement = describe_local_ranks(node_and_gpus()[0], settings.nproc_int or len(node_and_gpus()[1]))
-    command = build_command(settings, entry, passthrough=split.passthrough, binding=binding)
+    command = build_command(settings, entry, passthrough=split.passthrough, binding=binding, logs=logs)
     if ft is not None:
         command = dataclasses.replace(command, env=command.env + ft.env)
     return opts, command
@@ -217,13 +231,40 @@ def run(args: argparse.Namespace) -> int:
         print(command.render(os.environ))
         return 0
     if opts.lighthouse_argv is None:
-        return run_command(command)
-    lighthouse = subprocess.Popen(list(opts.lighthouse_argv))
-    try:
-        return run_command(command)
-    finally:
-        lighthouse.terminate()
-        lighthouse.wait()
+        rc = run_command(command, verbose=opts.verbose)
+    else:
+        os.makedirs(command.logs.run_dir, exist_ok=True)
+        with open(os.path.join(command.logs.run_dir, "lighthouse.log"), "ab") as log:  # its routine logging
+            lighthouse = subprocess.Popen(list(opts.lighthouse_argv), stdout=None if opts.verbose else log,
+                                          stderr=None if opts.verbose else subprocess.STDOUT)
+        try:
+            rc = run_command(command, verbose=opts.verbose)
+        finally:
+            lighthouse.terminate()
+            lighthouse.wait()
+    if rc != 0 and not opts.no_summary:
+        print_summary(command.logs, opts.nnodes_expected, verbose=opts.verbose)
+    return rc
+
+
+_MERGE_WAIT_S = 10.0
+"""How long node 0 waits for the other nodes' final records (their agents end within seconds of it)."""
+
+
+def print_summary(logs: NodeLogs, expected_nodes: int | None, *, verbose: bool = False) -> None:
+    """This node's summary; node 0's (``show_rank0``) merges every node's record found in the run directory."""
+    if not logs.show_rank0:
+        own = [n for n in read_node_records(logs.run_dir) if n["dir"] == logs.node_dir]
+        lines = render_summary(logs.run_dir, own, verbose=verbose)
+    else:
+        deadline = time.monotonic() + _MERGE_WAIT_S
+        while time.monotonic() < deadline:
+            nodes = read_node_records(logs.run_dir)
+            if len(nodes) >= (expected_nodes or 1) and all(n.get("result") != "running" for n in nodes):
+                break
+            time.sleep(0.5)
+        lines = render_summary(logs.run_dir, expected_nodes=expected_nodes, verbose=verbose)
+    print("\n".join(lines), flush=True)
 
 
 def add_parser(subparsers) -> None:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hybridshard.ft.membership import Membership
 from hybridshard.ft.replicate import ManagedReplicate
 from hybridshard.ft.state import load_shard_state, replicas_agree, shard_digest, shard_state
 from hybridshard.runtime import collectives as C
@@ -150,6 +151,7 @@ class FaultTolerance:
         self._had_quorum = False
         self.min_replicas, self.max_failed_steps = min_replicas, max_failed_steps
         self._failed_steps = 0
+        self._membership = Membership(speaks=dist.get_rank() == 0)
 
     # ---- one step ----
 
@@ -171,6 +173,7 @@ class FaultTolerance:
         if not self.manager.should_commit():
             self._failed_steps += 1
             live = self.manager.num_participants()
+            self._membership.observe(committed=False, live=live, step=self.current_step, first=False)
             if self._failed_steps >= self.max_failed_steps:
                 raise RuntimeError(
                     f"fault-tolerant training expected at least {self.min_replicas} live replica group(s) finishing "
@@ -182,6 +185,8 @@ class FaultTolerance:
             return False
         self._failed_steps = 0
         (optimizer or self.optimizer).step()
+        self._membership.observe(committed=True, live=self.manager.num_participants(), step=self.current_step,
+                                 first=self.manager.participating_rank() == 0)
         return True
 
     @property

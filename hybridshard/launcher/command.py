@@ -1,7 +1,9 @@
 """Build and run the torchrun command of one node.
 
 The launcher never re-implements torchrun: it resolves settings (:mod:`.settings`), then runs
-``python -m torch.distributed.run`` as a child process with exactly the argv ``--dry-run`` prints.
+torchrun as a child process with exactly the argv ``--dry-run`` prints: ``python -m
+hybridshard.launcher.agent``, torchrun that leaves the node's record of the run (see [Note: the node
+record]), when the run has a log directory, else ``python -m torch.distributed.run``.
 With NUMA binding, torchrun launches :mod:`hybridshard.launcher.bind` as the worker entry, which pins
 the worker to its CPU set and then ``exec``s the user's program (see [Note: NUMA binding]).
 """
@@ -16,11 +18,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from enum import Enum
-from typing import Mapping, Sequence
+from typing import IO, Mapping, Sequence
 
+from hybridshard.launcher.console import ConsoleFilter
 from hybridshard.launcher.numa import BINDING_ENV, CpuBinding
+from hybridshard.launcher.runlog import TORCHRUN_LOG, NodeLogs
 from hybridshard.launcher.settings import NCCL_FAULT_DEFAULTS, LaunchSettings
 
 logger = logging.getLogger(__name__)
@@ -99,6 +104,7 @@ class LaunchCommand:
     env: tuple[tuple[str, str], ...]
     settings: LaunchSettings
     binding: CpuBinding | None = None
+    logs: NodeLogs | None = None
     defaults: tuple[tuple[str, str], ...] = NCCL_FAULT_DEFAULTS
     """Variables set only when the inherited environment lacks them (see [Note: NCCL faults])."""
 
@@ -129,6 +135,9 @@ class LaunchCommand:
                          "a new store for each attempt")
         if self.binding is not None:
             lines += [f"# {line}" for line in self.binding.describe()]
+        if self.logs is not None:
+            lines.append(f"# logs: each rank's output in {self.logs.node_dir}, "
+                         + ("local rank 0's also on the console" if self.logs.show_rank0 else "none on the console"))
         added = self.added(base_env)
         set_names = {k for k, _ in added}
         defaults = added[: len(added) - len(self.env)]
@@ -153,10 +162,14 @@ def build_command(
     *,
     passthrough: Sequence[str] = (),
     binding: CpuBinding | None = None,
+    logs: NodeLogs | None = None,
     python: str = sys.executable,
 ) -> LaunchCommand:
-    """The torchrun argv for ``entry`` under ``settings``; ``passthrough`` goes to torchrun unchanged."""
-    argv = [python, "-m", "torch.distributed.run", *settings.torchrun_args(), *passthrough]
+    """The torchrun argv for ``entry`` under ``settings``; ``passthrough`` goes to torchrun unchanged
+    (after the options for ``logs``, so that the user's ``--tee``/``--redirects`` win)."""
+    runner = "torch.distributed.run" if logs is None else "hybridshard.launcher.agent"
+    log_args = [] if logs is None else logs.torchrun_args()
+    argv = [python, "-m", runner, *log_args, *settings.torchrun_args(), *passthrough]
     env: list[tuple[str, str]] = settings.worker_env()
     if binding is not None:
         if settings.nproc_int is None:
@@ -171,14 +184,31 @@ def build_command(
         argv += ["--no-python", entry.target, *entry.args]
     else:
         argv += [entry.target, *entry.args]
-    return LaunchCommand(argv=tuple(argv), env=tuple(env), settings=settings, binding=binding)
+    return LaunchCommand(argv=tuple(argv), env=tuple(env), settings=settings, binding=binding, logs=logs)
 
 
-def run_command(command: LaunchCommand, base_env: Mapping[str, str] | None = None) -> int:
-    """Run torchrun as a child; forward termination signals to it; return its exit status."""
+def _pump(stream: IO[bytes], console: ConsoleFilter) -> None:
+    for raw in iter(stream.readline, b""):
+        console.feed(raw.decode(errors="replace"))
+
+
+def run_command(command: LaunchCommand, base_env: Mapping[str, str] | None = None, *, verbose: bool = False) -> int:
+    """Run torchrun as a child; forward termination signals to it; return its exit status. With a log
+    directory, torchrun's output goes through a :class:`ConsoleFilter` (its own lines to torchrun.log)."""
     env = command.environ(os.environ if base_env is None else base_env)
     logger.info("running: %s", shlex.join(command.argv))
-    proc = subprocess.Popen(list(command.argv), env=env)
+    piped = command.logs is not None
+    proc = subprocess.Popen(list(command.argv), env=env, stdout=subprocess.PIPE if piped else None,
+                            stderr=subprocess.PIPE if piped else None)
+    pumps: list[threading.Thread] = []
+    log_file = console = None
+    if piped:
+        os.makedirs(command.logs.node_dir, exist_ok=True)
+        log_file = open(os.path.join(command.logs.node_dir, TORCHRUN_LOG), "a")
+        console = ConsoleFilter(sys.stdout, log_file, verbose=verbose)
+        pumps = [threading.Thread(target=_pump, args=(s, console), daemon=True) for s in (proc.stdout, proc.stderr)]
+        for t in pumps:
+            t.start()
 
     def forward(signum: int, _frame: object) -> None:
         if proc.poll() is None:
@@ -192,7 +222,13 @@ def run_command(command: LaunchCommand, base_env: Mapping[str, str] | None = Non
             break
     try:
         rc = proc.wait()
+        for t in pumps:
+            t.join(timeout=10.0)
+        if console is not None:
+            console.close()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if log_file is not None:
+            log_file.close()
     return 128 - rc if rc < 0 else rc

@@ -79,5 +79,6 @@ def fault_tolerant(settings: LaunchSettings, lighthouse: str | None, *, max_rest
         settings, nnodes="1", node_rank=0, rdzv_backend="c10d", rdzv_host="127.0.0.1", rdzv_port=0,
         rdzv_id=replica, max_restarts=max_restarts, sources=settings.sources + (("fault_tolerant", Source.OPTION),),
     )
-    env = [("TORCHFT_LIGHTHOUSE", url), ("HYBRIDSHARD_REPLICA_ID", replica), ("HYBRIDSHARD_FT_NODES", settings.nnodes)]
+    env = [("TORCHFT_LIGHTHOUSE", url), ("HYBRIDSHARD_REPLICA_ID", replica), ("HYBRIDSHARD_FT_NODES", settings.nnodes),
+           ("HYBRIDSHARD_FT_CONSOLE", "1")]  # see [Note: membership lines] in hybridshard/ft/membership.py
     return FaultTolerantLaunch(settings=local, env=tuple(env), lighthouse_argv=argv)

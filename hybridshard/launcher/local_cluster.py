@@ -25,6 +25,8 @@ from enum import Enum
 from typing import IO, Callable, Sequence
 
 from hybridshard.launcher.netns import IFNAME, LocalNetwork, Shaping, check_rights, remove_leftovers
+from hybridshard.launcher.runlog import default_run_dir
+from hybridshard.launcher.summary import render_summary
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,9 @@ class ClusterOptions:
     launch_args: tuple[str, ...] = ()
     """Extra ``hybridshard launch`` options given to every host (e.g. ``--max-restarts 0``)."""
     fault: HostFault | None = None
+    log_dir: str | None = None
+    """The run directory every host writes under (the hosts share this machine's file system); the
+    failure summary, merged from every host's record, is printed by the local cluster."""
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1:
@@ -119,7 +124,8 @@ def host_env(base: dict[str, str] | os._Environ) -> dict[str, str]:
 def launch_argv(opts: ClusterOptions, node_rank: int, rdzv_host: str, python: str = sys.executable) -> list[str]:
     return [python, "-m", "hybridshard", "launch", "--nnodes", str(opts.num_nodes), "--node-rank", str(node_rank),
             "--nproc-per-node", str(opts.procs_per_node), "--master-addr", rdzv_host,
-            "--master-port", str(opts.port), *opts.launch_args, "--", *opts.command]
+            "--master-port", str(opts.port), *(["--log-dir", opts.log_dir, "--no-summary"] if opts.log_dir else []),
+            *opts.launch_args, "--", *opts.command]
 
 
 class _Supervisor:
@@ -274,7 +280,12 @@ def run_cluster(opts: ClusterOptions, out: IO[str] = sys.stdout) -> int:
             # machine, one node] in hybridshard.topology.probe); name each host's node after it.
             host = dict(env, HYBRIDSHARD_NODE_NAME=h.name)
             sup.start(h.name, net.host_argv(h, launch_argv(opts, h.index, rdzv_host)), host)
-        return sup.wait(opts.timeout_s)
+        rc = sup.wait(opts.timeout_s)
+        if rc != 0 and opts.log_dir:
+            with sup.lock:
+                out.write("\n".join(render_summary(opts.log_dir, expected_nodes=opts.num_nodes)) + "\n")
+                out.flush()
+        return rc
     except _Interrupted as exc:
         sup.say(f"interrupted by {exc}; stopping every host")
         return INTERRUPT_EXIT
@@ -314,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-when", metavar="REGEX", default=".", help="(with --kill-host) the line to wait for")
     p.add_argument("--restart-after", type=float, metavar="SECONDS",
                    help="(with --kill-host) start the killed host again after this long")
+    p.add_argument("--log-dir", metavar="DIR", help="the run directory: every rank's output, per host "
+                   "(default hybridshard-logs/run-<date>-<time>); the summary of a failed job is read from it")
     p.add_argument("--check", action="store_true",
                    help="only say whether this machine allows the namespaces (exit 0) or not (exit 3)")
     p.add_argument("-v", "--verbose", action="count", default=0)
@@ -341,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shaping=Shaping(rate=args.inter_node_bandwidth, latency=args.latency),
             timeout_s=args.timeout, port=args.port, launch_args=tuple(args.launch_arg),
             fault=None if args.kill_host is None else HostFault(args.kill_host, args.kill_when, args.restart_after),
+            log_dir=os.path.abspath(args.log_dir or default_run_dir(os.environ)),
         )
     except ValueError as exc:
         print(f"local-cluster: error: {exc}", file=sys.stderr)

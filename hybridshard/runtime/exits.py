@@ -15,7 +15,9 @@ training ...``). Ranks that are still running but in no collective (rank 0 evalu
 are not waited for past the limit.
 
 An uncaught exception (in the main thread or any other) is published as ``rank R raised
-ValueError: ...`` before the process dies, so the peers' failing collectives lead with it.
+ValueError: ...`` before the process dies, so the peers' failing collectives lead with it, and is
+written to torchrun's error file for the launcher's summary (see [Note: run directory] in
+:mod:`hybridshard.launcher.runlog`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def _publish_raised(error: BaseException) -> None:
     if isinstance(error, (KeyboardInterrupt, SystemExit)):
         return
     _RAISED["raised"] = True  # no "finished" check at exit: this rank did not finish
+    faults.write_error_file(error, consequence=isinstance(error, faults.CollectiveError))
     try:
         faults.announce(error)
     except Exception:  # noqa: BLE001 - never hide the user's own error

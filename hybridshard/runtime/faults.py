@@ -36,9 +36,12 @@ and every rank's log names the lost one.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
+import traceback
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -50,7 +53,8 @@ from hybridshard.topology.groups import group_ranks
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CollectiveError", "announce", "collective_failed", "first_line", "peers_gone", "stop_now"]
+__all__ = ["CollectiveError", "announce", "collective_failed", "first_line", "peers_gone", "stop_now",
+           "write_error_file"]
 
 
 class CollectiveError(RuntimeError):
@@ -150,3 +154,23 @@ def stop_now(status: int = 1) -> None:
         except Exception:  # noqa: BLE001
             pass
     os._exit(status)
+
+
+def write_error_file(error: BaseException, *, consequence: bool) -> None:
+    """Write torchrun's error file for this worker (``TORCHELASTIC_ERROR_FILE``, the format of torch's
+    ``@record``) for the launcher's summary, adding ``extraInfo.hybridshard``: a float time and whether
+    ``error`` is a consequence of another rank's failure (see [Note: run directory] in
+    :mod:`hybridshard.launcher.runlog`). Nothing when there is no such file to write or one exists."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    now = time.time()
+    stack = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    data = {"message": {"message": f"{type(error).__name__}: {error}", "extraInfo": {
+        "py_callstack": stack, "timestamp": str(int(now)), "hybridshard": {"time": now, "consequence": consequence}}}}
+    try:
+        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+            json.dump(data, f)
+        os.replace(f"{path}.{os.getpid()}.tmp", path)
+    except OSError:
+        logger.debug("could not write the error file %s", path, exc_info=True)

@@ -216,6 +216,7 @@ def _stop_if_peers_gone() -> None:
     if message is None:
         return
     logger.critical("%s", message)
+    faults.write_error_file(faults.CollectiveError(message), consequence=True)
     peers.publish("failed", f"rank {peers.identity()[0]} stopped: {faults.first_line(message)}")
     faults.stop_now(1)
 
