@@ -130,6 +130,9 @@ class Runtime:
                 unit.module.register_forward_pre_hook(self._make_pre_hook(unit, is_root), with_kwargs=True)
             )
             self._handles.append(unit.module.register_forward_hook(self._make_post_hook(unit)))
+        streams = getattr(self.executor, "streams", None)
+        if hasattr(streams, "unit_names"):  # the emulated device names units in its faults
+            streams.unit_names = [u.name for u in self.units]
         setattr(self.model, _ATTR, self)
 
     def guard_conversions(self) -> None:
@@ -155,6 +158,7 @@ class Runtime:
             if is_root and self._callback_queued and not self._backward_running():
                 self._recover_aborted_backward()
             if is_root and not self.in_backward:
+                self.executor.end_step()
                 where.start_forward()
                 if self.check_steps:
                     self._verify_pending_check()

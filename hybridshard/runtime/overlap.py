@@ -159,6 +159,9 @@ class Executor:
     def drain(self) -> list[tuple[Any, torch.Tensor]]:
         raise NotImplementedError
 
+    def end_step(self) -> None:
+        """Called as a step's forward begins (the emulated device runs what it still queues)."""
+
     def abort(self) -> None:
         """After a backward that raised: let the jobs end and drop their results."""
         try:

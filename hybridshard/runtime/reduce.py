@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from hybridshard.runtime import collectives as C
+from hybridshard.runtime import emulate
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +136,10 @@ class GradReduction:
                 return unit.replica_slice.reduce_scatter(shard, sliced, async_op=overlap)
             return shard, None if hold else self._replicate(shard, async_op=overlap)
 
+        emulate.label(grad, f"{unit.name}: unsharded gradient")
         if groups.shard_size > 1:
             shard = torch.empty(layout.shard_numel, dtype=reduce_dtype, device=grad.device)
+            emulate.label(shard, f"{unit.name}: gradient shard (the shard group's reduce-scatter output)")
 
             def issue_first() -> C.Pending | None:
                 if pre > 1:

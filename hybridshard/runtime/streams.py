@@ -62,7 +62,9 @@ class Fence:
 
     def wait(self) -> None:
         """Make the calling stream wait for it (CUDA; the host goes on), or block until it is done (CPU)."""
-        if self._event is not None:
+        if self._event is not None and self._device is None:
+            self._event.wait_here()  # the emulated device: see hybridshard/runtime/emulate.py
+        elif self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
         elif self._pending is not None:
             self._pending.wait()
@@ -97,6 +99,9 @@ class StreamSet:
             if after is not None:
                 after.wait()
             yield
+
+    def end_step(self) -> None:
+        """A step begins: nothing to do on CUDA (the emulated device runs what it still queues)."""
 
     def fence(self, stream: Any, pending: C.Pending | None) -> Fence:
         """Inside ``side(stream)``, after issuing ``pending``: the fence that marks its end."""
@@ -138,8 +143,8 @@ class StreamExecutor(Executor):
 
     kind = "streams"
 
-    def __init__(self, device: torch.device) -> None:
-        self.streams = StreamSet(device)
+    def __init__(self, device: torch.device, streams: StreamSet | None = None) -> None:
+        self.streams = StreamSet(device) if streams is None else streams
         self._jobs: list[StreamJob] = []
 
     def __bool__(self) -> bool:
@@ -177,6 +182,9 @@ class StreamExecutor(Executor):
             shard, last = finish(shard)
             done = s.fence(s.all_reduce, last)
         self._jobs.append(StreamJob(unit, full, shard, finish, scattered, done))
+
+    def end_step(self) -> None:
+        self.streams.end_step()
 
     def drain(self) -> list[tuple[Any, torch.Tensor]]:
         """The compute stream waits for every job, in order; ``(unit, reduced shard)`` for each.
