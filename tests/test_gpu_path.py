@@ -297,8 +297,14 @@ def test_executor_choice(monkeypatch):
     assert resolve_executor(None, cpu) is ExecutorKind.STREAMS
     assert resolve_executor("threads", cpu) is ExecutorKind.THREADS  # the argument wins
     monkeypatch.setenv(ENV, "fibers")
-    with pytest.raises(ValueError, match=r"^HYBRIDSHARD_EXECUTOR must be one of 'auto', 'threads', 'streams'; got 'fibers'"):
+    with pytest.raises(ValueError, match=r"^HYBRIDSHARD_EXECUTOR must be one of 'auto', 'threads', 'streams', 'emulate'; "
+                       r"got 'fibers'"):
         resolve_executor(None, cpu)
+    monkeypatch.setenv(ENV, "emulate")
+    assert resolve_executor(None, cpu) is ExecutorKind.EMULATE
+    with pytest.raises(ValueError, match=r"^HYBRIDSHARD_EXECUTOR='emulate' emulates a GPU with CPU tensors, but the model "
+                       r"is on cuda:0; use"):
+        resolve_executor(None, cuda)
     with pytest.raises(ValueError, match=r"^executor='threads' runs on CPU tensors only, but the model is on cuda:0; use"):
         resolve_executor("threads", cuda)
 

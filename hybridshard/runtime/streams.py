@@ -25,8 +25,9 @@ the *current* stream wait and returns), and an event recorded after it marks its
 :class:`Fence`. Tensors a side stream reads or writes stay referenced until an event the compute
 stream waited on covers them: the unsharded gradient until the next unit's post-backward hook
 (the compute stream waits on its reduce-scatter event, then lets it go; so at most two unsharded
-gradients are alive on the device, as on CPU), the shards, what ``no_sync`` held and the
-compression's inputs until the end of backward. Memory freed after such a wait is reused only in
+gradients are alive on the device, as on CPU), the shards (the first collective's output, which
+the all-reduce stream reads, as well as what it returns: they differ when the optimizer is sharded
+across replicas), what ``no_sync`` held and the compression's inputs until the end of backward. Memory freed after such a wait is reused only in
 stream order after it (the caching allocator reuses a block on the stream it was allocated on, and
 every buffer here is allocated on the compute stream or, for temporaries, on the side stream that
 uses it).
@@ -118,11 +119,15 @@ class StreamJob:
     """One unit's gradient between its post-backward hook and the end of backward."""
 
     def __init__(self, unit: Any, full: torch.Tensor, shard: torch.Tensor, finish: Finish,
-                 scattered: Fence, done: Fence) -> None:
+                 scattered: Fence, done: Fence, read: torch.Tensor) -> None:
         self.unit = unit
         self.full = full
         """The unsharded gradient, read by the reduce-scatter until ``scattered``."""
         self.shard = shard
+        self.read = read
+        """The first collective's result, which ``finish`` reads on the all-reduce stream: kept until
+        ``done`` (with the optimizer sharded across replicas ``shard`` is another buffer, and with a
+        shard group of one this is a view of ``full``, which ``release_full`` lets go earlier)."""
         self.finish = finish
         """Kept for what it holds (a shard ``no_sync`` held, the compression's inputs) until ``done``."""
         self.scattered = scattered
@@ -179,9 +184,9 @@ class StreamExecutor(Executor):
         with s.side(s.reduce_scatter):
             scattered = s.fence(s.reduce_scatter, issue_first())
         with s.side(s.all_reduce, after=scattered, follow_compute=False):
-            shard, last = finish(shard)
+            reduced, last = finish(shard)
             done = s.fence(s.all_reduce, last)
-        self._jobs.append(StreamJob(unit, full, shard, finish, scattered, done))
+        self._jobs.append(StreamJob(unit, full, reduced, finish, scattered, done, read=shard))
 
     def end_step(self) -> None:
         self.streams.end_step()
@@ -200,7 +205,7 @@ class StreamExecutor(Executor):
                 job.state = JobState.FAILED
                 error = error or err
             finally:
-                job.full = job.finish = None
+                job.full = job.finish = job.read = None
         if error is not None:
             raise error
         return out

@@ -1,0 +1,155 @@
+"""The emulated device (hybridshard/runtime/emulate.py): its rules on their own, in one process, and
+the defects it exists to catch, on gloo ranks.
+
+The multi-process checks use 4 ranks on 2 simulated nodes (shard groups of 2) and 2 ranks on 2 nodes
+(shard groups of one), one pool each for the module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests import runtime_models as RM
+from tests.mp import RankPool
+
+
+@pytest.fixture
+def device():
+    from hybridshard.runtime.emulate import EmulatedStreams
+    from hybridshard.runtime.position import where
+
+    streams = EmulatedStreams(torch.device("cpu"))
+    streams.unit_names = ["<root>", "blocks.0"]
+    unit, phase = where.unit, where.phase
+    where.unit, where.phase = 1, "backward"
+    yield streams
+    where.unit, where.phase = unit, phase
+
+
+def test_side_stream_work_runs_only_when_waited_for(device):
+    buf = torch.ones(4)
+    with device.side(device.all_reduce):
+        out = buf.mul_(3)
+        doubled = buf * 2  # a new tensor: allocated now, filled when the stream runs
+        fence = device.fence(device.all_reduce, None)
+    assert out is buf and torch.equal(buf, torch.ones(4)), "the in-place op ran on the host"
+    assert device.pending() == 2
+    fence.wait()  # the compute stream (the host) waits: the stream runs up to the event
+    assert torch.equal(buf, torch.full((4,), 3.0)) and torch.equal(doubled, torch.full((4,), 6.0))
+    assert device.pending() == 0
+    assert device.waits == [("all_reduce", "compute", 1, "backward")]
+
+
+def test_a_dropped_buffer_is_caught_naming_unit_buffer_and_stream(device):
+    from hybridshard.runtime import emulate
+
+    buf = torch.ones(64)
+    emulate.label(buf, "blocks.0: gradient shard")
+    with device.side(device.all_reduce):
+        buf.mul_(2)
+        fence = device.fence(device.all_reduce, None)
+    del buf  # the runtime's last reference, before the compute stream waited on the stream
+    with pytest.raises(emulate.DeviceFault, match=r"^emulated device: mul_\.Tensor queued on the all_reduce stream "
+                       r"\(unit 'blocks\.0', backward\) touches buffer 'blocks\.0: gradient shard' \(torch\.float32, "
+                       r"256 bytes, storage 0x[0-9a-f]+, allocated on the compute stream\) after the runtime dropped "
+                       r"its last reference to it; keep that buffer referenced"):
+        fence.wait()
+
+
+def test_a_view_keeps_its_buffer_and_a_freed_storage_is_caught(device):
+    from hybridshard.runtime.emulate import DeviceFault
+
+    base = torch.ones(8)
+    view = base[2:6]
+    with device.side(device.reduce_scatter):
+        view.add_(1)
+        first = device.fence(device.reduce_scatter, None)
+    del base  # the view still holds the storage: nothing was released
+    first.wait()
+    assert view.tolist() == [2.0] * 4
+    with device.side(device.reduce_scatter):
+        view.add_(1)
+        second = device.fence(device.reduce_scatter, None)
+    view.untyped_storage().resize_(0)  # freed the way the runtime frees a gathered buffer
+    with pytest.raises(DeviceFault, match="after its storage was freed"):
+        second.wait()
+
+
+def test_a_temporary_of_the_same_stream_may_go(device):
+    with device.side(device.all_gather):
+        tmp = torch.empty(16)  # allocated on the all_gather stream
+        tmp.fill_(1)
+        kept = tmp + 1
+        fence = device.fence(device.all_gather, None)
+    del tmp  # reused only in the all_gather stream's order: safe
+    fence.wait()
+    assert kept.tolist() == [2.0] * 16
+
+
+def test_a_side_stream_waits_for_another_one_in_stream_order(device):
+    x = torch.zeros(4)
+    with device.side(device.reduce_scatter):
+        x.add_(1)
+        scattered = device.fence(device.reduce_scatter, None)
+    with device.side(device.all_reduce, after=scattered, follow_compute=False):
+        x.mul_(5)  # must see the reduce-scatter stream's add first
+        done = device.fence(device.all_reduce, None)
+    assert x.tolist() == [0.0] * 4 and device.pending() == 3  # the add, the marker, the mul
+    done.wait()
+    assert x.tolist() == [5.0] * 4
+    assert ("reduce_scatter", "all_reduce", 1, "backward") in device.waits
+
+
+def test_end_of_step_runs_what_is_queued(device):
+    x = torch.zeros(2)
+    with device.side(device.all_reduce):
+        x.add_(7)
+    device.end_step()
+    assert x.tolist() == [7.0, 7.0] and device.pending() == 0
+
+
+# -- on gloo ranks ---------------------------------------------------------------------------------
+
+def run(cfg: RM.Config) -> dict:
+    return RM.sharded_run(cfg)
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    with RankPool(4, num_nodes=2, layout="block", timeout=240) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    with RankPool(2, num_nodes=2, layout="block", timeout=240) as pool:
+        yield pool
+
+
+SLICED = replace(RM.Config(steps=3), shard_optimizer=True, optimizer="sgd", clip=1e6)
+
+
+def _bitwise(a: dict, b: dict) -> None:
+    assert a["losses"] == b["losses"] and a["norms"] == b["norms"], (a["losses"], b["losses"])
+    for key, value in b["state"].items():
+        assert torch.equal(a["state"][key], value), key
+
+
+@pytest.mark.parametrize("pool_name, cfg", [
+    ("pool4", SLICED),
+    ("pool4", replace(SLICED, compression="int8")),
+    ("pool2", SLICED),  # shard groups of one: the reduce-scatter "output" is a view of the gradient
+], ids=["S2", "S2-int8", "S1"])
+def test_optimizer_sliced_across_replicas_keeps_what_the_replicate_stream_reads(request, pool_name, cfg):
+    """Defect: the replicate reduce-scatter read a buffer nobody held any more (a gradient shard, or
+    with shard groups of one the unsharded gradient), so the allocator could reuse it mid-read."""
+    pool = request.getfixturevalue(pool_name)
+    emulated = pool.run(run, replace(cfg, executor="emulate"))
+    streams = pool.run(run, replace(cfg, executor="streams"))
+    for a, b in zip(emulated, streams):
+        _bitwise(a, b)
+    if cfg.compression is None:
+        RM.compare(RM.reference_run(cfg, pool.world_size), emulated[0], label=pool_name, atol=1e-5, rtol=1e-5)
