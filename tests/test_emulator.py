@@ -153,3 +153,57 @@ def test_optimizer_sliced_across_replicas_keeps_what_the_replicate_stream_reads(
         _bitwise(a, b)
     if cfg.compression is None:
         RM.compare(RM.reference_run(cfg, pool.world_size), emulated[0], label=pool_name, atol=1e-5, rtol=1e-5)
+
+
+# -- host syncs -------------------------------------------------------------------------------------
+
+def test_host_syncs_are_counted_per_step_phase_and_site_from_the_runtimes_code_only():
+    from hybridshard.runtime import host_syncs
+    from hybridshard.runtime.position import where
+
+    counts = host_syncs.install()
+    counts.reset()
+    code = compile("def hot(t):\n    t.item(); t.tolist(); bool(t)\n    return torch.tensor([1], device='cpu')\n",
+                   "fake", "exec")
+    scope = {"__name__": "hybridshard.runtime.fake", "torch": torch}
+    exec(code, scope)
+    exempt = {"__name__": "hybridshard.runtime.grad_norm"}
+    exec(compile("def clip(t):\n    return t.item()\n", "fake", "exec"), exempt)
+    step, phase = where.step, where.phase
+    where.phase = "backward"
+    try:
+        scope["hot"](torch.ones(1))
+        exempt["clip"](torch.ones(1))
+        torch.ones(1).item()  # this module is not the runtime: not counted
+        host = host_syncs.mark_host(torch.ones(1))
+        exec(compile("def read(t):\n    return t.tolist()\n", "fake", "exec"), scope)
+        scope["read"](host)  # host memory: no sync
+    finally:
+        where.phase = phase
+    assert counts.hot == {
+        (step, "backward", "item in hybridshard.runtime.fake.hot"): 1,
+        (step, "backward", "tolist in hybridshard.runtime.fake.hot"): 1,
+        (step, "backward", "__bool__ in hybridshard.runtime.fake.hot"): 1,
+        (step, "backward", "torch.tensor(host data, device=) in hybridshard.runtime.fake.hot"): 1,
+    }, counts.hot
+    assert counts.exempt == {(step, "backward", "clip_grad_norm_"): 1}
+
+
+STEADY = [
+    RM.Config(steps=3),
+    replace(RM.Config(steps=3), strategy="FULL_SHARD", prefetch=2),
+    replace(RM.Config(steps=3), bf16=True, fp16=True, clip=1.0),
+    replace(RM.Config(steps=3), shard_optimizer=True, clip=1.0),
+]
+
+
+@pytest.mark.parametrize("cfg", STEADY, ids=["hybrid", "full-p2", "fp16-scaler-clip", "sliced-clip"])
+def test_no_host_sync_in_steady_state_steps(pool4, cfg):
+    """From the second step on the runtime makes no host sync but the documented exempt ones (the step
+    check used to make four a step: two torch.tensor(..., device=) and two .tolist())."""
+    for rank, got in enumerate(pool4.run(run, replace(cfg, executor="emulate"))):
+        assert got["host_syncs"]["hot"] == {}, (rank, got["host_syncs"]["hot"])
+        sites = {site for _, _, site in got["host_syncs"]["exempt"]}
+        assert sites <= {"GradScaler.step found_inf", "clip_grad_norm_"}, sites
+        if cfg.fp16:
+            assert "GradScaler.step found_inf" in sites

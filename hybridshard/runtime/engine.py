@@ -209,15 +209,18 @@ class Runtime:
         return agreement.issue_step_check(phase.value, mode=self.sync_mode.value, num_units=len(self.units),
                                           order_digest=self.prefetcher.digest())
 
-    def _verify_pending_check(self) -> None:
+    def _verify_pending_check(self, before_step: int | None = None) -> None:
         check, self._pending_check = self._pending_check, None
         if check is not None:
-            check.verify()
+            check.verify(before_step=before_step)
+        elif before_step is not None:
+            agreement.compare_arrived(before_step)
 
     def before_reduction(self) -> None:
-        """Called before any gradient of a backward is reduced: the step check must have passed, and
-        the last step's gathers across replicas must be done (they write the shards)."""
-        self._verify_pending_check()
+        """Called before any gradient of a backward is reduced: the step checks of earlier steps must
+        have passed (see [Note: step check without a host sync]), and the last step's gathers across
+        replicas must be done (they write the shards)."""
+        self._verify_pending_check(before_step=where.step)
         if self.replica_slices is not None:
             self.replica_slices.wait_all()
 
