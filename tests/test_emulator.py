@@ -207,3 +207,62 @@ def test_no_host_sync_in_steady_state_steps(pool4, cfg):
         assert sites <= {"GradScaler.step found_inf", "clip_grad_norm_"}, sites
         if cfg.fp16:
             assert "GradScaler.step found_inf" in sites
+
+
+# -- where the streams wait -------------------------------------------------------------------------
+
+def stream_waits(strategy: str, *, sliced: bool = False, micro_rs: bool = False) -> dict:
+    """Two steps under the emulator (the second one inside ``no_sync(reduce_scatter=True)`` first
+    with ``micro_rs``); the waits of the second step and what the no_sync backward queued."""
+    import torch.distributed as dist
+
+    import hybridshard as hs
+
+    model = RM.make_model(num_blocks=3)
+    hs.shard(model, strategy=strategy, groups=RM.groups(), wrap={RM.Block}, executor="emulate", prefetch=1,
+             shard_optimizer_across_replicas=sliced)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    streams = model._hybridshard_runtime.executor.streams
+    queued = {}
+    for step in range(2):
+        tokens = RM.batch(step, 0, dist.get_rank(), 2)
+        if micro_rs and step == 1:
+            before = streams.reduce_scatter.enqueued
+            with hs.no_sync(model, reduce_scatter=True):
+                RM.lm_loss(model(tokens), tokens).backward()
+            queued["no_sync reduce_scatter stream"] = streams.reduce_scatter.enqueued - before
+        RM.lm_loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"waits": list(streams.waits), **queued}
+
+
+def test_the_replica_gather_is_waited_for_by_the_all_gather_stream_not_compute(pool4):
+    """Defect: the compute stream waited for unit k+1's all-gather across replicas (issued after the
+    optimizer step) before unit k computed; only the shard group's all-gather stream needs it."""
+    for got in pool4.run(stream_waits, "HYBRID_SHARD", sliced=True):
+        forward = [w for w in got["waits"] if w[3] == "forward"]
+        assert not [w for w in forward if w[:2] == ("all_reduce", "compute")], forward
+        assert len([w for w in forward if w[:2] == ("all_reduce", "all_gather")]) == 4, forward  # one per unit
+
+
+def test_no_shard_reduction_does_not_stall_the_next_unit(pool4):
+    """Defect: NO_SHARD's world all-reduce made the compute stream wait for it at the next unit's
+    post-backward hook; the gradient it reads is the job's shard, held until the end of backward."""
+    for got in pool4.run(stream_waits, "NO_SHARD"):
+        backward = [w for w in got["waits"] if w[3] == "backward"]
+        assert not [w for w in backward if w[:2] == ("reduce_scatter", "compute")], backward
+
+
+def test_no_sync_reduce_scatter_runs_on_the_reduce_scatter_stream(pool4):
+    """Defect: inside no_sync(reduce_scatter=True) every reduce-scatter ran synchronously on the compute stream."""
+    for got in pool4.run(stream_waits, "HYBRID_SHARD", micro_rs=True):
+        assert got["no_sync reduce_scatter stream"] >= 4, got  # 4 units: a reduce-scatter each, plus local work
+
+
+def test_no_shard_no_sync_reduce_scatter_keeps_the_held_shard(pool4):
+    """Defect found by the emulator: NO_SHARD's all-reduce adds what no_sync held on the reduce-scatter
+    stream, and nothing held that shard once the hook returned."""
+    cfg = replace(RM.Config(steps=2), strategy="NO_SHARD", micro_steps=2, reduce_scatter_micro=True)
+    for a, b in zip(pool4.run(run, replace(cfg, executor="emulate")), pool4.run(run, replace(cfg, executor="streams"))):
+        _bitwise(a, b)

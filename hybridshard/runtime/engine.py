@@ -241,7 +241,7 @@ class Runtime:
     def _finish_backward(self) -> None:
         try:
             for unit, shard in self.executor.drain():
-                unit.flat.accumulate_grad_shard(shard)
+                unit.reduction.reduced(shard, self.sync_mode)
             for unit in reversed(self.units):
                 unit.finish_backward()
             if self.sync_mode is SyncMode.SYNC:

@@ -119,7 +119,7 @@ class StreamJob:
     """One unit's gradient between its post-backward hook and the end of backward."""
 
     def __init__(self, unit: Any, full: torch.Tensor, shard: torch.Tensor, finish: Finish,
-                 scattered: Fence, done: Fence, read: torch.Tensor) -> None:
+                 scattered: Fence, done: Fence, read: torch.Tensor, first: Callable[[], Any]) -> None:
         self.unit = unit
         self.full = full
         """The unsharded gradient, read by the reduce-scatter until ``scattered``."""
@@ -130,6 +130,9 @@ class StreamJob:
         shard group of one this is a view of ``full``, which ``release_full`` lets go earlier)."""
         self.finish = finish
         """Kept for what it holds (a shard ``no_sync`` held, the compression's inputs) until ``done``."""
+        self.first = first
+        """The first collective's issuing function, kept for the same reason (NO_SHARD's adds what
+        ``no_sync`` held on the reduce-scatter stream)."""
         self.scattered = scattered
         self.done = done
         self.state = JobState.ISSUED
@@ -160,14 +163,15 @@ class StreamExecutor(Executor):
         return self.streams.copy
 
     def gather(self, output: torch.Tensor, make_input: Callable[[], torch.Tensor], group: Any, *,
-               stats: Any = None, async_op: bool = False) -> Fence | None:
+               stats: Any = None, async_op: bool = False, after: Any = None) -> Fence | None:
         """All-gather every rank's ``make_input()`` into ``output`` on the all-gather stream.
 
-        ``make_input`` runs on that stream (a cast of the master shard stays off the compute stream).
+        ``make_input`` runs on that stream (a cast of the master shard stays off the compute stream),
+        after ``after`` (the master's all-gather across replicas), which only that stream waits for.
         Without ``async_op`` the compute stream waits for it before returning.
         """
         s = self.streams
-        with s.side(s.all_gather):
+        with s.side(s.all_gather, after=after):
             fence = s.fence(s.all_gather, C.all_gather(output, make_input(), group, stats=stats, async_op=True))
         if async_op:
             return fence
@@ -186,7 +190,7 @@ class StreamExecutor(Executor):
         with s.side(s.all_reduce, after=scattered, follow_compute=False):
             reduced, last = finish(shard)
             done = s.fence(s.all_reduce, last)
-        self._jobs.append(StreamJob(unit, full, reduced, finish, scattered, done, read=shard))
+        self._jobs.append(StreamJob(unit, full, reduced, finish, scattered, done, read=shard, first=issue_first))
 
     def end_step(self) -> None:
         self.streams.end_step()
@@ -205,7 +209,7 @@ class StreamExecutor(Executor):
                 job.state = JobState.FAILED
                 error = error or err
             finally:
-                job.full = job.finish = job.read = None
+                job.full = job.finish = job.read = job.first = None
         if error is not None:
             raise error
         return out
