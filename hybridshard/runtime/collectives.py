@@ -96,12 +96,13 @@ def _run(
     async_op: bool = False,
     then: Callable[[], None] | None = None,
     touched: tuple[torch.Tensor, ...] = (),
+    written: int = 1,
 ) -> Pending | None:
     """Count, optionally check agreement, then run ``collective(async_op)``; a failure names the group.
 
     ``then`` is a local step that completes the collective (run after it, or by ``wait()``).
     ``touched``: the aliases ``collective`` and ``then`` hold, every tensor the collective reads or
-    writes (what the emulated device checks).
+    writes (what the emulated device checks); the first ``written`` of them are its outputs.
     """
     assert group is not None, f"{kind}: no group means no communication; see [Note: None means no group]"
     name = group_name(group)
@@ -116,7 +117,7 @@ def _run(
             raise faults.collective_failed(kind, name, group, err) from err
     token = watchdog.begin(kind, name, group, tensor.numel())
     if EMULATED:
-        return _queue(EMULATED[-1], kind, name, group, collective, then, touched, token, async_op)
+        return _queue(EMULATED[-1], kind, name, group, collective, then, touched, written, token, async_op)
     try:
         # Issued asynchronously either way: the handle tells the watchdog when it completed (on NCCL,
         # when the device did). A blocking call waits on it right away.
@@ -134,7 +135,7 @@ def _run(
 
 
 def _queue(device: Any, kind: str, name: str, group: Any, collective: Callable[[bool], Any],
-           then: Callable[[], None] | None, touched: tuple[torch.Tensor, ...], token: int,
+           then: Callable[[], None] | None, touched: tuple[torch.Tensor, ...], written: int, token: int,
            async_op: bool) -> Any:
     """Queue a collective on the emulated device's current side stream; it stays in flight (the
     watchdog) until the stream runs it."""
@@ -151,7 +152,7 @@ def _queue(device: Any, kind: str, name: str, group: Any, collective: Callable[[
         if then is not None:
             then()
 
-    pending = device.defer_collective(f"{kind} on the {name} group", run, touched)
+    pending = device.defer_collective(f"{kind} on the {name} group", run, touched, touched[:written])
     if async_op:
         return pending
     pending.wait()
@@ -305,7 +306,7 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
                 lambda a: dist.all_to_all_single(out, inp, sizes, sizes, group=group, async_op=a),
                 stats=stats, async_op=async_op,
                 then=lambda: _sum_received(result, got, n, rank, result if own_is_output else mine),
-                touched=tuple(t for t in (out, inp, result, got, mine) if t is not None))
+                touched=tuple(t for t in (result, out, inp, got, mine) if t is not None), written=2)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM, *,

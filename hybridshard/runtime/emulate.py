@@ -71,15 +71,30 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def _set_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
+    if tensors:
+        _SET_VERSIONS(tuple(tensors), tuple(versions))
+
+
+_SET_VERSIONS = torch._C._autograd._unsafe_set_version_counter
+
+
 class _Op:
-    """One queued operation: ``run`` holds only emulator aliases (``holds``) of the tensors it touches."""
+    """One queued operation: ``run`` holds only emulator aliases (``holds``) of the tensors it touches.
+
+    Version counters move when the work is *issued*, as they do on a GPU (the host bumps them): the
+    ``written`` tensors are bumped now, and whatever running the work later bumps is undone, so the
+    runtime's checks of changed parameters see what they would see on a device.
+    """
 
     __slots__ = ("what", "run", "holds", "where", "stream")
 
-    def __init__(self, what: str, run: Callable[[], None], holds: list[torch.Tensor], stream: "EmuStream") -> None:
+    def __init__(self, what: str, run: Callable[[], None], holds: list[torch.Tensor], stream: "EmuStream",
+                 written: list[torch.Tensor] = ()) -> None:
         w = current_where()
         self.what, self.run, self.stream = what, run, stream
         self.where = (w.unit, w.phase)
+        _set_versions(list(written), [t._version + 1 for t in written])
         # (alias, storage key, data pointer, bytes): what the buffer was when the work was queued
         unique = list({id(t): t for t in holds}.values())  # each alias holds its storage once
         self.holds = [(t, _key(t), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in unique]
@@ -194,7 +209,8 @@ class EmulatedStreams(StreamSet):
         (pending if pending is not None else C.DONE).wait()
         return Fence(event=EmuEvent(stream))
 
-    def defer_collective(self, what: str, run: Callable[[], None], touched: tuple[torch.Tensor, ...]) -> _EmuPending:
+    def defer_collective(self, what: str, run: Callable[[], None], touched: tuple[torch.Tensor, ...],
+                         written: tuple[torch.Tensor, ...]) -> _EmuPending:
         """Queue a collective on the current side stream (called by :mod:`hybridshard.runtime.collectives`)."""
         stream = self.current
         assert stream is not None
@@ -204,7 +220,7 @@ class EmulatedStreams(StreamSet):
                     f"{what} on the {stream.name} stream expects tensors on {self.device}, found one on {t.device}; "
                     "NCCL rejects host tensors: allocate it on the compute device"
                 )
-        stream.enqueue(_Op(what, run, list(touched), stream))
+        stream.enqueue(_Op(what, run, list(touched), stream, list(written)))
         return _EmuPending(touched)
 
     def note_wait(self, event: EmuEvent, waiter: EmuStream | None) -> None:
@@ -222,11 +238,14 @@ class EmulatedStreams(StreamSet):
         try:
             for alias, key, ptr, nbytes in op.holds:
                 self._check(op, alias, key, ptr, nbytes)
+            aliases = [alias for alias, _, _, _ in op.holds]
+            versions = [alias._version for alias in aliases]
             self.executing = True
             try:
                 op.run()
             finally:
                 self.executing = False
+                _set_versions(aliases, versions)  # bumped when issued (see _Op)
         finally:
             for _, key, _, _ in op.holds:
                 self._held[key] -= 1
@@ -330,8 +349,10 @@ class _Capture(TorchDispatchMode):
             def run_in_place() -> None:
                 a, k = tree_unflatten(aliases, spec)
                 func(*a, **k)
-            stream.enqueue(_Op(f"{func.__name__}", run_in_place, holds, stream))
-            return _alias_of_return(func, args, kwargs)
+            result = _alias_of_return(func, args, kwargs)
+            written = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+            stream.enqueue(_Op(f"{func.__name__}", run_in_place, holds, stream, written))
+            return result
         try:
             meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
         except (NotImplementedError, RuntimeError):

@@ -239,8 +239,11 @@ class Unit:
         if self.flat.aliases_master or not self.flat.layout.slots:
             return C.DONE  # nothing to gather: the master is the buffer, or the unit owns no parameter
         if self.groups.shard_size > 1:
-            return self.runtime.executor.gather(self.flat.unsharded.data, self.flat.gather_input, self.groups.shard,
-                                                stats=self.runtime.stats, async_op=async_op, after=after)
+            pending = self.runtime.executor.gather(self.flat.unsharded.data, self.flat.gather_input, self.groups.shard,
+                                                   stats=self.runtime.stats, async_op=async_op, after=after)
+            if after is not None:  # gloo bumps the master's version when the replicas' gather completes
+                self.gathered_versions = self.flat.master_versions()
+            return pending
         self.flat.unsharded.data.copy_(self.flat.sharded, non_blocking=True)  # from pinned memory if offloaded
         return C.DONE
 
