@@ -266,3 +266,29 @@ def test_no_shard_no_sync_reduce_scatter_keeps_the_held_shard(pool4):
     cfg = replace(RM.Config(steps=2), strategy="NO_SHARD", micro_steps=2, reduce_scatter_micro=True)
     for a, b in zip(pool4.run(run, replace(cfg, executor="emulate")), pool4.run(run, replace(cfg, executor="streams"))):
         _bitwise(a, b)
+
+
+def recorded_waits() -> list[tuple]:
+    import torch.distributed as dist
+
+    import hybridshard as hs
+
+    model = RM.make_model()
+    hs.shard(model, strategy="HYBRID_SHARD", groups=RM.groups(), wrap={RM.Block}, executor="emulate")
+    tokens = RM.batch(0, 0, dist.get_rank(), 2)
+    with hs.record_issue_order() as log:
+        RM.lm_loss(model(tokens), tokens).backward()
+    return [(i.group, i.kind, i.phase, i.stream, tuple(i.waited_by)) for i in log.issues]
+
+
+def test_recorded_collectives_name_their_stream_and_who_waited(pool4):
+    for got in pool4.run(recorded_waits):
+        gathers = [g for g in got if g[:2] == ("shard", "all_gather")]
+        assert gathers and all(g[3] == "all_gather" and g[4] and g[4][0].startswith("compute in unit ") for g in gathers), got
+        replicate = [g for g in got if g[0] == "replicate"]
+        assert len(replicate) == 3 and all(g[3] == "all_reduce" for g in replicate), replicate
+        assert all(g[4] and g[4][0].startswith("compute in unit ") for g in replicate), replicate  # drained
+        scatters = [g for g in got if g[:2] == ("shard", "reduce_scatter")]
+        assert all(g[3] == "reduce_scatter" and g[4][0].startswith("all_reduce in unit") for g in scatters), scatters
+        checks = [g for g in got if g[0] == "world"]
+        assert checks and all(g[3] == "" for g in checks)  # the step check: on the compute stream

@@ -107,7 +107,8 @@ def _run(
     assert group is not None, f"{kind}: no group means no communication; see [Note: None means no group]"
     name = group_name(group)
     record(kind, name, group_size(group), tensor, stats)
-    issue_order.note(name, kind, tensor)  # see [Note: one issue order per communicator]
+    stream = EMULATED[-1].current.name if EMULATED else ""
+    issue = issue_order.note(name, kind, tensor, stream)  # see [Note: one issue order per communicator]
     if logger.isEnabledFor(logging.DEBUG):  # the byte count is computed only when it is logged
         logger.debug("%s on %s: %d bytes", kind, name, tensor.numel() * tensor.element_size())
     if agreement.enabled():
@@ -117,7 +118,7 @@ def _run(
             raise faults.collective_failed(kind, name, group, err) from err
     token = watchdog.begin(kind, name, group, tensor.numel())
     if EMULATED:
-        return _queue(EMULATED[-1], kind, name, group, collective, then, touched, written, token, async_op)
+        return _queue(EMULATED[-1], kind, name, group, collective, then, touched, written, token, async_op, issue)
     try:
         # Issued asynchronously either way: the handle tells the watchdog when it completed (on NCCL,
         # when the device did). A blocking call waits on it right away.
@@ -136,7 +137,7 @@ def _run(
 
 def _queue(device: Any, kind: str, name: str, group: Any, collective: Callable[[bool], Any],
            then: Callable[[], None] | None, touched: tuple[torch.Tensor, ...], written: int, token: int,
-           async_op: bool) -> Any:
+           async_op: bool, issue: Any) -> Any:
     """Queue a collective on the emulated device's current side stream; it stays in flight (the
     watchdog) until the stream runs it."""
 
@@ -152,7 +153,7 @@ def _queue(device: Any, kind: str, name: str, group: Any, collective: Callable[[
         if then is not None:
             then()
 
-    pending = device.defer_collective(f"{kind} on the {name} group", run, touched, touched[:written])
+    pending = device.defer_collective(f"{kind} on the {name} group", run, touched, touched[:written], issue)
     if async_op:
         return pending
     pending.wait()

@@ -109,6 +109,8 @@ class EmuStream:
         self.enqueued = 0
         """Operations queued so far (an event records this count)."""
         self.ran = 0
+        self.unwaited: list[tuple[int, Any]] = []
+        """``(position, issue_order.Issue)`` of recorded collectives no stream has waited on yet."""
 
     def enqueue(self, op: _Op) -> None:
         self.device.hold(op)
@@ -142,6 +144,13 @@ class EmuEvent:
         if self.stream is waiter:
             return
         device.note_wait(self, waiter)
+        covered = [issue for position, issue in self.stream.unwaited if position < self.count]
+        if covered:
+            unit = current_where().unit
+            name = device.unit_names[unit] if 0 <= unit < len(device.unit_names) else f"#{unit}"
+            for issue in covered:
+                issue.waited_by.append(f"{'compute' if waiter is None else waiter.name} in unit {name}")
+            self.stream.unwaited = [(p, i) for p, i in self.stream.unwaited if p >= self.count]
         if waiter is None:
             self.stream.run_until(self.count)
         else:
@@ -210,7 +219,7 @@ class EmulatedStreams(StreamSet):
         return Fence(event=EmuEvent(stream))
 
     def defer_collective(self, what: str, run: Callable[[], None], touched: tuple[torch.Tensor, ...],
-                         written: tuple[torch.Tensor, ...]) -> _EmuPending:
+                         written: tuple[torch.Tensor, ...], issue: Any = None) -> _EmuPending:
         """Queue a collective on the current side stream (called by :mod:`hybridshard.runtime.collectives`)."""
         stream = self.current
         assert stream is not None
@@ -220,6 +229,8 @@ class EmulatedStreams(StreamSet):
                     f"{what} on the {stream.name} stream expects tensors on {self.device}, found one on {t.device}; "
                     "NCCL rejects host tensors: allocate it on the compute device"
                 )
+        if issue is not None:
+            stream.unwaited.append((stream.enqueued, issue))
         stream.enqueue(_Op(what, run, list(touched), stream, list(written)))
         return _EmuPending(touched)
 
