@@ -53,7 +53,8 @@ _FACTORIES = {_aten.empty.memory_format, _aten.empty_like.default, _aten.empty_s
 _HOST_READS = {_aten._local_scalar_dense.default, _aten.equal.default, _aten.is_nonzero.default}
 _LABELS: dict[int, tuple[int, str]] = {}
 """Per storage: its data pointer and a name the runtime gave it (:func:`label`), while emulating."""
-_LIVE: list["EmulatedStreams"] = []
+_LIVE: list[bool] = []
+"""Non-empty once a device is emulated in this process (labels are kept from then on)."""
 
 
 class DeviceFault(RuntimeError):
@@ -196,7 +197,7 @@ class EmulatedStreams(StreamSet):
         self.waits: list[tuple[str, str, int, str]] = []
         """``(stream waited on, waiting stream, unit, phase)`` per wait this step (``"compute"``: the host)."""
         self.syncs = host_syncs.install()
-        _LIVE.append(self)
+        _LIVE[:] = [True]
 
     # -- issuing -----------------------------------------------------------------------------------
 
