@@ -263,7 +263,10 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
     scaler = hs.ShardedGradScaler("cpu", init_scale=2.0**10) if cfg.fp16 else None
     losses, norms, counts, clip_counts = [], [], [], []
     grad_dtypes: set[str] = set()
+    syncs = hs_syncs() if cfg.executor == "emulate" else None
     for step in range(cfg.steps):
+        if syncs is not None and step == 1:
+            syncs.reset()  # host syncs of the steady state: from the second step on
         opt.zero_grad(set_to_none=True)
         step_loss = torch.zeros(1)
         with hs.count_collectives() as c:
@@ -291,15 +294,24 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
             scaler.update()
         else:
             opt.step()
+    host = {"hot": dict(syncs.hot), "exempt": dict(syncs.exempt)} if syncs is not None else None
     return {
         "losses": losses,
         "norms": norms,
+        "host_syncs": host,
         "state": hs.full_state_dict(model),
         "counts": counts,
         "clip_counts": clip_counts,
         "grad_dtypes": sorted(grad_dtypes),
         "unit_strategies": [u.strategy.name for u in model._hybridshard_runtime.units],
     }
+
+
+def hs_syncs() -> Any:
+    """The emulated device's host-sync counts (see [Note: counting host syncs])."""
+    from hybridshard.runtime import host_syncs
+
+    return host_syncs.counts()
 
 
 class _null:

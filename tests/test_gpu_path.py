@@ -41,8 +41,12 @@ MATRIX = [
     replace(_S, block_strategies=("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD")),
     replace(_S, offload=True),
     replace(_S, bf16=True, offload=True),
+    replace(_S, shard_optimizer=True),
+    replace(_S, shard_optimizer=True, compression="int8", prefetch=2),
 ]
-EXECUTORS = ("threads", "streams")
+EXECUTORS = ("threads", "streams", "emulate")
+"""``emulate``: the stream executor on the emulated device (hybridshard/runtime/emulate.py), which must
+give the streams executor's results bit for bit, with no host sync from the second step on."""
 
 
 def _label(c: RM.Config) -> str:
@@ -53,6 +57,7 @@ def _label(c: RM.Config) -> str:
     parts += ["bf16"] if c.bf16 else []
     parts += ["mixed-" + "-".join(c.block_strategies)] if c.block_strategies else []
     parts += ["offload"] if c.offload else []
+    parts += ["sliced"] if c.shard_optimizer else []
     return "-".join(parts)
 
 
@@ -92,9 +97,17 @@ def sweep(pool):
 
 @pytest.mark.parametrize("index", range(len(MATRIX)), ids=[_label(c) for c in MATRIX])
 def test_stream_executor_issue_order_and_results(sweep, index):
-    streams, threads = sweep[("streams", index)], sweep[("threads", index)]
+    streams, threads, emulated = sweep[("streams", index)], sweep[("threads", index)], sweep[("emulate", index)]
+    # The emulated device: the same collectives in the same order, the same bits, no steady-state sync.
+    for rank, (a, b) in enumerate(zip(emulated, streams)):
+        assert a["order"] == b["order"], f"rank {rank}: the emulated device changed the issue order"
+        assert a["losses"] == b["losses"] and a["counts"] == b["counts"], (rank, a["losses"], b["losses"])
+        for key, value in b["state"].items():
+            assert torch.equal(a["state"][key], value), f"rank {rank}: {key} differs under the emulator"
+        assert a["host_syncs"]["hot"] == {}, (rank, a["host_syncs"]["hot"])
+        assert not a["host_syncs"]["exempt"], (rank, a["host_syncs"]["exempt"])
     # One thread issues everything (on CPU, backward hooks run on the thread that called backward).
-    for rank, got in enumerate(streams):
+    for rank, got in enumerate(streams + emulated):
         issuers = {t for ts in got["threads"].values() for t in ts}
         assert issuers == {"MainThread"}, (rank, got["threads"])
     # The whole interleaved order, and so each communicator's, is the same on every rank.
@@ -205,8 +218,8 @@ def test_divide_is_the_division_bit_for_bit():
 
 FP16 = [replace(_S, strategy=s, bf16=True, fp16=True, steps=3, executor=e)
         for s in ("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD") for e in EXECUTORS]
-FP16 += [replace(_S, strategy="HYBRID_SHARD_ZERO2", bf16=True, fp16=True, steps=3, executor="streams", micro_steps=2,
-                 reduce_scatter_micro=True, clip=1.0)]
+FP16 += [replace(_S, strategy="HYBRID_SHARD_ZERO2", bf16=True, fp16=True, steps=3, executor=e, micro_steps=2,
+                 reduce_scatter_micro=True, clip=1.0) for e in ("streams", "emulate")]
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +234,14 @@ def test_fp16_with_sharded_scaler_matches_reference(fp16_sweep, index):
     for rank, results in enumerate(fp16_sweep):
         RM.compare(ref, results[index], label=f"rank {rank}", atol=2e-3, rtol=2e-3)
         assert results[index]["losses"] == fp16_sweep[0][index]["losses"]
+    if cfg.executor == "emulate":  # bit for bit the streams executor; only GradScaler.step's own sync
+        twin = FP16.index(replace(cfg, executor="streams"))
+        for results in fp16_sweep:
+            a, b = results[index], results[twin]
+            assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
+            assert all(torch.equal(a["state"][k], v) for k, v in b["state"].items())
+            assert a["host_syncs"]["hot"] == {}, a["host_syncs"]["hot"]
+            assert {site for _, _, site in a["host_syncs"]["exempt"]} == {"GradScaler.step found_inf"}
 
 
 class Scaled(torch.nn.Module):
@@ -297,8 +318,14 @@ def test_executor_choice(monkeypatch):
     assert resolve_executor(None, cpu) is ExecutorKind.STREAMS
     assert resolve_executor("threads", cpu) is ExecutorKind.THREADS  # the argument wins
     monkeypatch.setenv(ENV, "fibers")
-    with pytest.raises(ValueError, match=r"^HYBRIDSHARD_EXECUTOR must be one of 'auto', 'threads', 'streams'; got 'fibers'"):
+    with pytest.raises(ValueError, match=r"^HYBRIDSHARD_EXECUTOR must be one of 'auto', 'threads', 'streams', 'emulate'; "
+                       r"got 'fibers'"):
         resolve_executor(None, cpu)
+    monkeypatch.setenv(ENV, "emulate")
+    assert resolve_executor(None, cpu) is ExecutorKind.EMULATE
+    with pytest.raises(ValueError, match=r"^HYBRIDSHARD_EXECUTOR='emulate' emulates a GPU with CPU tensors, but the model "
+                       r"is on cuda:0; use"):
+        resolve_executor(None, cuda)
     with pytest.raises(ValueError, match=r"^executor='threads' runs on CPU tensors only, but the model is on cuda:0; use"):
         resolve_executor("threads", cuda)
 

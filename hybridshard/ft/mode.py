@@ -37,6 +37,7 @@ from hybridshard.ft.state import load_shard_state, replicas_agree, shard_digest,
 from hybridshard.runtime import collectives as C
 from hybridshard.runtime.engine import get_runtime
 from hybridshard.state.replicas import ReplicaDivergence
+from hybridshard.topology.groups import collective_device
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +235,8 @@ class FaultTolerance:
         digest = shard_digest(self.model)
         self.manager.allreduce(digest, reduce_op=dist.ReduceOp.SUM).wait()
         num, agree = replicas_agree(digest)
-        flag = torch.tensor([0.0 if agree else 1.0])
+        # On the default group's device: a host tensor fails on NCCL. Between steps, so its sync is fine.
+        flag = torch.tensor([0.0 if agree else 1.0], device=collective_device())
         C.all_reduce(flag, dist.group.WORLD)
         if flag.item():
             raise ReplicaDivergence(

@@ -22,6 +22,18 @@ finishing together] in :mod:`hybridshard.runtime.exits`. Cost: two all-gathers o
 step, off the critical path (docs/runtime.md has the measured figure);
 ``shard(..., check_steps=False)`` turns it off.
 
+[Note: step check without a host sync]
+On CUDA neither building a fingerprint nor reading the gathered ones may make the host wait for the
+device (that drains its queue, three times a step). A fingerprint goes to the device from pinned
+memory, non-blocking; a collected check's result is copied to pinned memory, non-blocking, with an
+event after it (:class:`~hybridshard.runtime.host_syncs.HostCopy`), and is compared once that event
+has completed, asked at each later check without waiting. The backward check's collection before
+the first gradient reduction also compares every check of *earlier* steps, waiting for it if the
+device is that far behind. So a mismatch is found within one step, and the job stops (``ValueError``
+on every rank) before the next step reduces a gradient, so before the next optimizer step changes a
+weight; the step in which ranks parted may itself have stepped. Nothing goes through the store on a
+healthy step. On CPU the gathered tensor is host memory: compared at once, as the Note above says.
+
 [Note: debug agreement check]
 Ranks that run a different number of forwards or backwards in a step, or a different ``no_sync``
 pattern, issue different collectives; paired up by order they silently mix unrelated tensors of the
@@ -45,6 +57,7 @@ import torch.distributed as dist
 
 from hybridshard.runtime import faults, issue_order, watchdog
 from hybridshard.runtime.handoff import hand_off
+from hybridshard.runtime.host_syncs import HostCopy, to_device
 from hybridshard.runtime.position import PHASES, current_where
 from hybridshard.topology.groups import collective_device, group_ranks
 
@@ -103,18 +116,23 @@ _MODES = ("sync", "local", "shard_only")
 
 
 _CHECKS: list["StepCheck"] = []
-"""Step checks issued and not compared yet (at most two: a forward's and a backward's)."""
+"""Step checks issued and not collected yet (at most two: a forward's and a backward's)."""
+_ARRIVING: list[tuple[int, int, HostCopy]] = []
+"""``(step, world, copy)`` of collected checks whose fingerprints are on their way to the host."""
 
 
 class StepCheck:
-    """One step check in flight: issued with :func:`issue_step_check`, compared by :meth:`verify`."""
+    """One step check in flight: issued with :func:`issue_step_check`, collected by :meth:`verify`."""
 
-    def __init__(self, everyone: torch.Tensor, work: Any, token: int, world: int) -> None:
-        self._everyone, self._work, self._token, self._world = everyone, work, token, world
+    def __init__(self, everyone: torch.Tensor, work: Any, token: int, world: int, step: int) -> None:
+        self._everyone, self._work, self._token, self._world, self._step = everyone, work, token, world, step
         _CHECKS.append(self)
 
-    def verify(self) -> None:
-        """Wait for the all-gather and raise ``ValueError`` on every rank if the ranks differ."""
+    def verify(self, *, before_step: float | None = None) -> None:
+        """Collect the all-gather (on NCCL the current stream waits for it) and start copying it to
+        the host; then compare every collected check that arrived, and those of steps before
+        ``before_step`` even if that means waiting for them. ``ValueError`` on every rank if the
+        ranks differ. See [Note: step check without a host sync]."""
         if self in _CHECKS:
             _CHECKS.remove(self)
         try:
@@ -123,15 +141,30 @@ class StepCheck:
             raise faults.collective_failed("step check (all_gather)", "world", dist.group.WORLD, err) from err
         finally:
             watchdog.end(self._token)
-        rows = self._everyone.view(self._world, -1).tolist()
-        if any(row != rows[0] for row in rows):
-            _raise_out_of_step(rows)
+        _ARRIVING.append((self._step, self._world, HostCopy(self._everyone)))
+        compare_arrived(before_step)
 
     def completed(self) -> bool:
         try:
             return bool(self._work.is_completed())
         except RuntimeError:
             return True
+
+
+def compare_arrived(before_step: float | None = None) -> None:
+    """Compare the collected checks in order, up to the first one that neither arrived nor belongs to
+    a step before ``before_step``."""
+    while _ARRIVING:
+        step, world, copy = _ARRIVING[0]
+        if not copy.ready() and (before_step is None or step >= before_step):
+            return
+        _ARRIVING.pop(0)
+        flat = copy.tolist()
+        width = len(flat) // world
+        rows = [flat[r * width : (r + 1) * width] for r in range(world)]
+        if any(row != rows[0] for row in rows):
+            _ARRIVING.clear()
+            _raise_out_of_step(rows)
 
 
 def raise_if_out_of_step(seconds: float = 3.0) -> None:
@@ -143,7 +176,7 @@ def raise_if_out_of_step(seconds: float = 3.0) -> None:
             time.sleep(0.05)
         if check.completed():
             try:
-                check.verify()
+                check.verify(before_step=float("inf"))
             except ValueError:
                 raise
             except RuntimeError:
@@ -160,11 +193,8 @@ def issue_step_check(pass_name: str, *, mode: str, num_units: int, order_digest:
     if world == 1:
         return None
     w = current_where()
-    mine = torch.tensor(
-        [_PASSES.index(pass_name), w.step, w.forward, _MODES.index(mode), num_units, order_digest],
-        dtype=torch.int64,
-        device=collective_device(),
-    )
+    mine = to_device([_PASSES.index(pass_name), w.step, w.forward, _MODES.index(mode), num_units, order_digest],
+                     collective_device())
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=mine.device)
     token = watchdog.begin("step check", "world", dist.group.WORLD, mine.numel())
     issue_order.note("world", "all_gather", mine)
@@ -174,7 +204,7 @@ def issue_step_check(pass_name: str, *, mode: str, num_units: int, order_digest:
     except RuntimeError as err:
         watchdog.end(token)
         raise faults.collective_failed("step check (all_gather)", "world", dist.group.WORLD, err) from err
-    return StepCheck(everyone, work, token, world)
+    return StepCheck(everyone, work, token, world, w.step)
 
 
 def _raise_out_of_step(rows: list[list[int]]) -> None:

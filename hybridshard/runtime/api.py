@@ -82,8 +82,11 @@ def shard(
     [Note: frozen parts] in :mod:`hybridshard.runtime.wrap`.
 
     ``executor``: who issues the collectives; ``"auto"`` (streams on CUDA, a communication thread
-    on CPU), ``"threads"`` or ``"streams"`` (on CPU too, with no-op streams, to check its issuing
-    rules); ``None`` reads ``HYBRIDSHARD_EXECUTOR``, else ``"auto"``. See
+    on CPU), ``"threads"``, ``"streams"`` (on CPU too, with no-op streams, to check its issuing
+    rules) or ``"emulate"`` (CPU: the stream executor on an emulated GPU that queues side streams,
+    follows NCCL's rules and fails a step that frees a buffer a stream still needs; see
+    [Note: emulated device] in :mod:`hybridshard.runtime.emulate`); ``None`` reads
+    ``HYBRIDSHARD_EXECUTOR``, else ``"auto"``. See
     :mod:`hybridshard.runtime.executor` and [Note: stream executor] in :mod:`hybridshard.runtime.streams`.
 
     ``offload=hybridshard.CPUOffload()`` keeps the sharded parameters, their gradients and so the

@@ -33,6 +33,11 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+EMULATED: list[Any] = []
+"""The emulated device whose side stream is current, if any: collectives are queued on it (see
+[Note: emulated device] in :mod:`hybridshard.runtime.emulate`)."""
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Ranks in ``group``; ``None`` is no group, one rank (see [Note: None means no group])."""
     if group is None:
@@ -90,15 +95,20 @@ def _run(
     stats: CollectiveCounts | None = None,
     async_op: bool = False,
     then: Callable[[], None] | None = None,
+    touched: tuple[torch.Tensor, ...] = (),
+    written: int = 1,
 ) -> Pending | None:
     """Count, optionally check agreement, then run ``collective(async_op)``; a failure names the group.
 
     ``then`` is a local step that completes the collective (run after it, or by ``wait()``).
+    ``touched``: the aliases ``collective`` and ``then`` hold, every tensor the collective reads or
+    writes (what the emulated device checks); the first ``written`` of them are its outputs.
     """
     assert group is not None, f"{kind}: no group means no communication; see [Note: None means no group]"
     name = group_name(group)
     record(kind, name, group_size(group), tensor, stats)
-    issue_order.note(name, kind, tensor)  # see [Note: one issue order per communicator]
+    stream = EMULATED[-1].current.name if EMULATED else ""
+    issue = issue_order.note(name, kind, tensor, stream)  # see [Note: one issue order per communicator]
     if logger.isEnabledFor(logging.DEBUG):  # the byte count is computed only when it is logged
         logger.debug("%s on %s: %d bytes", kind, name, tensor.numel() * tensor.element_size())
     if agreement.enabled():
@@ -107,6 +117,8 @@ def _run(
         except RuntimeError as err:
             raise faults.collective_failed(kind, name, group, err) from err
     token = watchdog.begin(kind, name, group, tensor.numel())
+    if EMULATED:
+        return _queue(EMULATED[-1], kind, name, group, collective, then, touched, written, token, async_op, issue)
     try:
         # Issued asynchronously either way: the handle tells the watchdog when it completed (on NCCL,
         # when the device did). A blocking call waits on it right away.
@@ -117,6 +129,31 @@ def _run(
         raise faults.collective_failed(kind, name, group, err) from err
     watchdog.attach_work(token, work)
     pending = Pending(work, kind, name, group, then, token)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+def _queue(device: Any, kind: str, name: str, group: Any, collective: Callable[[bool], Any],
+           then: Callable[[], None] | None, touched: tuple[torch.Tensor, ...], written: int, token: int,
+           async_op: bool, issue: Any) -> Any:
+    """Queue a collective on the emulated device's current side stream; it stays in flight (the
+    watchdog) until the stream runs it."""
+
+    def run() -> None:
+        try:
+            work = collective(True)
+            work.wait()
+        except RuntimeError as err:
+            agreement.raise_if_out_of_step()
+            raise faults.collective_failed(kind, name, group, err) from err
+        finally:
+            watchdog.end(token)
+        if then is not None:
+            then()
+
+    pending = device.defer_collective(f"{kind} on the {name} group", run, touched, touched[:written], issue)
     if async_op:
         return pending
     pending.wait()
@@ -135,7 +172,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
         return _local(async_op)
     out, inp = hand_off(output, shard)  # see [Note: tensors handed to a backend thread]
     return _run("all_gather", group, shard, lambda a: _ALL_GATHER(out, inp, group=group, async_op=a),
-                stats=stats, async_op=async_op)
+                stats=stats, async_op=async_op, touched=(out, inp))
 
 
 # [Note: reduce-scatter on gloo]
@@ -240,7 +277,7 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
         out, inp = hand_off(output, full)
         return _run("reduce_scatter", group, full,
                     lambda a: _REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=a),
-                    stats=stats, async_op=async_op)
+                    stats=stats, async_op=async_op, touched=(out, inp))
     # Counted as the reduce-scatter it is (input: the full tensor), not as an all-to-all.
     rank = group.rank()  # this rank's place in the group (dist.get_rank(group), without its lookups)
     chunks = full.view(n, -1)
@@ -261,9 +298,16 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
     else:  # a middle rank that may not move the caller's chunks: every chunk travels
         send, received, own, sizes = full, torch.empty_like(full), None, None
     out, inp = hand_off(received, send)  # the receive buffer may be a temporary: see the Note
+    # The local sum holds aliases too (the same storages), so the runtime's tensors never change hands.
+    own_is_output, pair = own is output, received is output
+    result = output.detach()
+    got = result if pair else received.detach()
+    mine = None if own is None or own_is_output else own.detach()
     return _run("reduce_scatter", group, full,
                 lambda a: dist.all_to_all_single(out, inp, sizes, sizes, group=group, async_op=a),
-                stats=stats, async_op=async_op, then=lambda: _sum_received(output, received, n, rank, own))
+                stats=stats, async_op=async_op,
+                then=lambda: _sum_received(result, got, n, rank, result if own_is_output else mine),
+                touched=tuple(t for t in (result, out, inp, got, mine) if t is not None), written=2)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM, *,
@@ -273,7 +317,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.Re
         return _local(async_op)
     (alias,) = hand_off(tensor)
     return _run("all_reduce", group, tensor, lambda a: dist.all_reduce(alias, op=op, group=group, async_op=a),
-                stats=stats, async_op=async_op)
+                stats=stats, async_op=async_op, touched=(alias,))
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, *,
@@ -285,7 +329,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     out, inp = hand_off(output, input)
     return _run("all_to_all", group, input,
                 lambda a: dist.all_to_all_single(out, inp, group=group, async_op=a),
-                stats=stats, async_op=async_op)
+                stats=stats, async_op=async_op, touched=(out, inp))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
@@ -293,4 +337,5 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -
     if group_size(group) == 1:
         return
     (alias,) = hand_off(tensor)
-    _run("broadcast", group, tensor, lambda a: dist.broadcast(alias, src=src, group=group, async_op=a))
+    _run("broadcast", group, tensor, lambda a: dist.broadcast(alias, src=src, group=group, async_op=a),
+         touched=(alias,))

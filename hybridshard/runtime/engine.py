@@ -130,6 +130,9 @@ class Runtime:
                 unit.module.register_forward_pre_hook(self._make_pre_hook(unit, is_root), with_kwargs=True)
             )
             self._handles.append(unit.module.register_forward_hook(self._make_post_hook(unit)))
+        streams = getattr(self.executor, "streams", None)
+        if hasattr(streams, "unit_names"):  # the emulated device names units in its faults
+            streams.unit_names = [u.name for u in self.units]
         setattr(self.model, _ATTR, self)
 
     def guard_conversions(self) -> None:
@@ -155,6 +158,7 @@ class Runtime:
             if is_root and self._callback_queued and not self._backward_running():
                 self._recover_aborted_backward()
             if is_root and not self.in_backward:
+                self.executor.end_step()
                 where.start_forward()
                 if self.check_steps:
                     self._verify_pending_check()
@@ -205,15 +209,18 @@ class Runtime:
         return agreement.issue_step_check(phase.value, mode=self.sync_mode.value, num_units=len(self.units),
                                           order_digest=self.prefetcher.digest())
 
-    def _verify_pending_check(self) -> None:
+    def _verify_pending_check(self, before_step: int | None = None) -> None:
         check, self._pending_check = self._pending_check, None
         if check is not None:
-            check.verify()
+            check.verify(before_step=before_step)
+        elif before_step is not None:
+            agreement.compare_arrived(before_step)
 
     def before_reduction(self) -> None:
-        """Called before any gradient of a backward is reduced: the step check must have passed, and
-        the last step's gathers across replicas must be done (they write the shards)."""
-        self._verify_pending_check()
+        """Called before any gradient of a backward is reduced: the step checks of earlier steps must
+        have passed (see [Note: step check without a host sync]), and the last step's gathers across
+        replicas must be done (they write the shards)."""
+        self._verify_pending_check(before_step=where.step)
         if self.replica_slices is not None:
             self.replica_slices.wait_all()
 
@@ -234,7 +241,7 @@ class Runtime:
     def _finish_backward(self) -> None:
         try:
             for unit, shard in self.executor.drain():
-                unit.flat.accumulate_grad_shard(shard)
+                unit.reduction.reduced(shard, self.sync_mode)
             for unit in reversed(self.units):
                 unit.finish_backward()
             if self.sync_mode is SyncMode.SYNC:

@@ -1,6 +1,8 @@
 """Which executor issues a model's collectives: the communication thread (CPU/gloo) or streams (CUDA).
 
-``shard(..., executor=...)`` takes ``"auto"`` (the default), ``"threads"`` or ``"streams"``; with
+``shard(..., executor=...)`` takes ``"auto"`` (the default), ``"threads"``, ``"streams"`` or
+``"emulate"`` (the stream executor on the emulated device: see [Note: emulated device] in
+:mod:`hybridshard.runtime.emulate`); with
 ``executor=None`` the ``HYBRIDSHARD_EXECUTOR`` environment variable decides, else ``"auto"``.
 ``"auto"`` picks the stream executor for a CUDA device and the thread executor otherwise. The
 stream executor runs on CPU too, with its streams as no-ops: that is how its issuing rules are
@@ -32,9 +34,11 @@ class ExecutorKind(enum.Enum):
     """:class:`~hybridshard.runtime.overlap.GradReducer`: a communication thread (CPU tensors, gloo)."""
     STREAMS = "streams"
     """:class:`~hybridshard.runtime.streams.StreamExecutor`: one issuing thread, CUDA streams."""
+    EMULATE = "emulate"
+    """The stream executor on the emulated device (CPU tensors): queued side streams, NCCL's rules."""
 
 
-_CHOICES = ("auto", "threads", "streams")
+_CHOICES = ("auto", "threads", "streams", "emulate")
 
 
 def resolve_executor(requested: str | None, device: torch.device) -> ExecutorKind:
@@ -56,8 +60,17 @@ def resolve_executor(requested: str | None, device: torch.device) -> ExecutorKin
             f"{source}='threads' runs on CPU tensors only, but the model is on {device}; use 'streams' or 'auto' "
             "(on CUDA the communication thread would enqueue NCCL collectives in an order that differs by rank)"
         )
+    if kind is ExecutorKind.EMULATE and device.type != "cpu":
+        raise ValueError(
+            f"{source}='emulate' emulates a GPU with CPU tensors, but the model is on {device}; use 'streams' or "
+            "'auto' on a real GPU, or device='cpu' to check the stream executor under the emulator"
+        )
     return kind
 
 
 def make_executor(kind: ExecutorKind, device: torch.device) -> GradReducer | StreamExecutor:
+    if kind is ExecutorKind.EMULATE:
+        from hybridshard.runtime.emulate import EmulatedStreams
+
+        return StreamExecutor(device, EmulatedStreams(device))
     return StreamExecutor(device) if kind is ExecutorKind.STREAMS else GradReducer()

@@ -12,7 +12,8 @@ going to. Others finished after other step counts, or are still blocked in a tra
 it logs which ranks are where and exits with status 1, and once it is gone the blocked ranks'
 collectives fail naming it (``rank 1 finished after 4 steps and left, while rank 0 was still
 training ...``). Ranks that are still running but in no collective (rank 0 evaluating alone, say)
-are not waited for past the limit.
+are not waited for past the limit, nor are ranks whose collective has been in flight for less than
+``BLOCKED_SECONDS`` (on NCCL a rank whose GPU is still finishing its last step shows one).
 
 An uncaught exception (in the main thread or any other) is published as ``rank R raised
 ValueError: ...`` before the process dies, so the peers' failing collectives lead with it, and is
@@ -106,14 +107,28 @@ def _at_exit() -> None:
         reports = peers.ask_everyone(my_status(), seconds=2.0)
         if reports is None:
             return
-        # Blocked in a training collective of a group this rank belongs to: waiting for this rank.
-        blocked = [r for r in reports if r.state in ("collective", "failed") and me in r.ranks and not r.call]
+        blocked = blocked_on_me(reports, me)
         if blocked:
             _leave_out_of_step(
                 f"ranks {[r.rank for r in blocked]} are still in training collectives", [peers.table(reports)]
             )
         time.sleep(0.5)
     logger.info("rank %d: exiting while some ranks have not finished yet (waited %.0fs)", me, exit_wait_seconds())
+
+
+BLOCKED_SECONDS = 3.0
+"""How long a peer's training collective must have been in flight to count as waiting for this rank."""
+
+
+def blocked_on_me(reports: list[Any], me: int) -> list[Any]:
+    """The peers blocked in a training collective of a group this rank belongs to, so waiting for it.
+
+    A collective counts only after :data:`BLOCKED_SECONDS` in flight: on NCCL a collective stays
+    registered until the device has run it, so a peer whose GPU is still finishing the last step
+    shows one for a moment and then finishes too.
+    """
+    return [r for r in reports if me in r.ranks and not r.call
+            and (r.state == "failed" or (r.state == "collective" and r.seconds >= BLOCKED_SECONDS))]
 
 
 def _leave_out_of_step(why: str, details: list[str]) -> None:

@@ -58,6 +58,6 @@ class ShardedGradScaler(torch.amp.GradScaler):
             per_device = {found_inf.device: found_inf}
         for value in per_device.values():
             value.copy_(flag)
-        if flag.item() > 0:
+        if logger.isEnabledFor(logging.DEBUG) and flag.item() > 0:  # a host sync: only when it is logged
             logger.debug("inf/NaN in some rank's gradients: every rank skips this step")
         return per_device

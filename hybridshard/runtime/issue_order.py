@@ -44,6 +44,11 @@ class Issue:
     """The name of the host thread that issued it."""
     phase: str
     """Where the rank was: "forward", "backward", ... (see :data:`hybridshard.runtime.position.PHASES`)."""
+    stream: str = ""
+    """On the emulated device: the side stream it was queued on ("" otherwise: the current stream)."""
+    waited_by: list[str] = field(default_factory=list, compare=False)
+    """On the emulated device: ``"<stream> in unit <name>"`` for each stream that waited on it first
+    ("compute" is the host); see :mod:`hybridshard.runtime.emulate`."""
 
     @property
     def signature(self) -> tuple[str, str, int, str]:
@@ -93,13 +98,14 @@ def record_issue_order() -> Iterator[IssueLog]:
             _ACTIVE.remove(log)
 
 
-def note(group: str, kind: str, tensor: torch.Tensor) -> None:
+def note(group: str, kind: str, tensor: torch.Tensor, stream: str = "") -> Issue | None:
     """Called for every collective as it is issued (by :mod:`hybridshard.runtime.collectives` and
-    the step check); nothing happens outside a recording block."""
+    the step check); the entry, or ``None`` outside a recording block."""
     if not _ACTIVE:
-        return
+        return None
     issue = Issue(group, kind, tensor.numel(), str(tensor.dtype).replace("torch.", ""),
-                  threading.current_thread().name, current_where().phase)
+                  threading.current_thread().name, current_where().phase, stream)
     with _LOCK:
         for log in _ACTIVE:
             log.issues.append(issue)
+    return issue

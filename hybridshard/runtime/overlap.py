@@ -159,6 +159,9 @@ class Executor:
     def drain(self) -> list[tuple[Any, torch.Tensor]]:
         raise NotImplementedError
 
+    def end_step(self) -> None:
+        """Called as a step's forward begins (the emulated device runs what it still queues)."""
+
     def abort(self) -> None:
         """After a backward that raised: let the jobs end and drop their results."""
         try:
@@ -183,8 +186,11 @@ class GradReducer(Executor):
         return bool(self._jobs)
 
     def gather(self, output: torch.Tensor, make_input: Callable[[], torch.Tensor], group: Any, *,
-               stats: Any = None, async_op: bool = False) -> C.Pending | None:
-        """All-gather every rank's ``make_input()`` into ``output``, from the calling (main) thread."""
+               stats: Any = None, async_op: bool = False, after: Any = None) -> C.Pending | None:
+        """All-gather every rank's ``make_input()`` into ``output``, from the calling (main) thread,
+        once ``after`` (if any) is done."""
+        if after is not None:
+            after.wait()
         return C.all_gather(output, make_input(), group, stats=stats, async_op=async_op)
 
     def submit(self, unit: Any, full: torch.Tensor, shard: torch.Tensor,

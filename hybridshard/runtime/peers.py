@@ -79,6 +79,8 @@ class Report:
     """The group of the collective it is blocked in (state ``"collective"``)."""
     call: str = ""
     """The API call it is in (empty: training)."""
+    seconds: float = 0.0
+    """How long the collective it is in has been in flight (state ``"collective"``)."""
 
 
 def publish(kind: str, text: str) -> None:
@@ -168,7 +170,8 @@ def ask_everyone(mine: dict[str, Any], seconds: float = REPORT_SECONDS,
             out.append(Report(r, "done", done[r]))
         elif r in answers:
             a = answers[r]
-            out.append(Report(r, a["state"], a["text"], tuple(a.get("ranks", ())), a.get("call", "")))
+            out.append(Report(r, a["state"], a["text"], tuple(a.get("ranks", ())), a.get("call", ""),
+                              float(a.get("seconds", 0.0))))
         else:
             out.append(Report(r, "lost", f"rank {r}: no answer within {seconds:.0f}s (killed, crashed or hung)"))
     return out

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from hybridshard.runtime import collectives as C
+from hybridshard.runtime import emulate
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +92,9 @@ class GradReduction:
     def reduce(self, grad: torch.Tensor | None, mode: SyncMode, *, overlap: bool = False) -> None:
         """Reduce one backward's unsharded gradient as ``mode`` says; see [Note: hybrid gradient path].
 
-        With ``overlap`` (SYNC backwards only) the collectives are issued and left running: the
-        runtime's :class:`~hybridshard.runtime.overlap.GradReducer` adds the result to ``.grad`` at
-        the end of backward. See [Note: overlapped gradient reduction] in :mod:`hybridshard.runtime.overlap`.
+        With ``overlap`` the collectives are issued and left running: the runtime's executor hands
+        the result to :meth:`reduced` at the end of backward (added to ``.grad``, or held inside
+        ``no_sync(reduce_scatter=True)``). See [Note: overlapped gradient reduction] in :mod:`hybridshard.runtime.overlap`.
         """
         unit, runtime = self.unit, self.runtime
         runtime.before_reduction()  # see [Note: step check]
@@ -109,9 +110,8 @@ class GradReduction:
         if mode is SyncMode.LOCAL:
             self.pending_full = grad
             return
-        overlap = overlap and mode is SyncMode.SYNC
         held, self.pending_shard = self.pending_shard, None
-        hold = mode is SyncMode.SHARD_ONLY
+        hold = mode is SyncMode.SHARD_ONLY  # with overlap, the executor's result is held by ``reduced``
         stats = runtime.stats
         # Allocated here, on the compute stream, like every buffer that outlives the side streams.
         sliced = None
@@ -135,8 +135,10 @@ class GradReduction:
                 return unit.replica_slice.reduce_scatter(shard, sliced, async_op=overlap)
             return shard, None if hold else self._replicate(shard, async_op=overlap)
 
+        emulate.label(grad, f"{unit.name}: unsharded gradient")
         if groups.shard_size > 1:
             shard = torch.empty(layout.shard_numel, dtype=reduce_dtype, device=grad.device)
+            emulate.label(shard, f"{unit.name}: gradient shard (the shard group's reduce-scatter output)")
 
             def issue_first() -> C.Pending | None:
                 if pre > 1:
@@ -159,15 +161,25 @@ class GradReduction:
             else:
                 flat.accumulate_grad_shard(shard)
             return
-        if no_shard:
+        if no_shard and not hold:
             # Its one collective is on the world group, issued by the hooks' thread (the executor's
-            # first collective), never by a communication thread.
+            # first collective), never by a communication thread. It works in place on the whole
+            # gradient, which the job holds as its shard: no unsharded gradient to let go early (and
+            # no reason for the compute stream to wait for the all-reduce at the next unit).
             def all_reduce() -> C.Pending | None:
                 return C.all_reduce(scale(shard), groups.replicate, stats=stats, async_op=True)
 
-            runtime.executor.submit(unit, grad, shard, all_reduce, lambda s: (s, None))
+            runtime.executor.submit(unit, None, shard, all_reduce, lambda s: (s, None))
             return
         runtime.executor.submit(unit, grad, shard, issue_first, scale_and_replicate)
+
+    def reduced(self, shard: torch.Tensor, mode: SyncMode) -> None:
+        """The executor's result for this unit at the end of a backward in ``mode``: held for the
+        next syncing backward (``no_sync(reduce_scatter=True)``), else added to ``.grad``."""
+        if mode is SyncMode.SHARD_ONLY:
+            self.pending_shard = shard
+        else:
+            self.unit.flat.accumulate_grad_shard(shard)
 
     def _replicate(self, shard: torch.Tensor, async_op: bool = False) -> C.Pending | None:
         """All-reduce a scaled gradient shard across the replicate group (compressed if asked)."""

@@ -142,6 +142,11 @@ class ReplicaSlice:
                 self._pending = streams.fence(streams.all_reduce, pending)
         self.state = SliceState.GATHERING
 
+    def fence(self) -> Any:
+        """The all-gather in flight, for another stream to wait on, or ``None``. The slice stays
+        ``GATHERING`` (its input held) until :meth:`wait` on the compute stream."""
+        return self._pending if self.state is SliceState.GATHERING else None
+
     def wait(self) -> None:
         """Wait for the all-gather, if one is in flight (on CUDA: the current stream waits)."""
         if self.state is SliceState.GATHERING:

@@ -25,8 +25,9 @@ the *current* stream wait and returns), and an event recorded after it marks its
 :class:`Fence`. Tensors a side stream reads or writes stay referenced until an event the compute
 stream waited on covers them: the unsharded gradient until the next unit's post-backward hook
 (the compute stream waits on its reduce-scatter event, then lets it go; so at most two unsharded
-gradients are alive on the device, as on CPU), the shards, what ``no_sync`` held and the
-compression's inputs until the end of backward. Memory freed after such a wait is reused only in
+gradients are alive on the device, as on CPU), the shards (the first collective's output, which
+the all-reduce stream reads, as well as what it returns: they differ when the optimizer is sharded
+across replicas), what ``no_sync`` held and the compression's inputs until the end of backward. Memory freed after such a wait is reused only in
 stream order after it (the caching allocator reuses a block on the stream it was allocated on, and
 every buffer here is allocated on the compute stream or, for temporaries, on the side stream that
 uses it).
@@ -62,7 +63,9 @@ class Fence:
 
     def wait(self) -> None:
         """Make the calling stream wait for it (CUDA; the host goes on), or block until it is done (CPU)."""
-        if self._event is not None:
+        if self._event is not None and self._device is None:
+            self._event.wait_here()  # the emulated device: see hybridshard/runtime/emulate.py
+        elif self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
         elif self._pending is not None:
             self._pending.wait()
@@ -98,6 +101,9 @@ class StreamSet:
                 after.wait()
             yield
 
+    def end_step(self) -> None:
+        """A step begins: nothing to do on CUDA (the emulated device runs what it still queues)."""
+
     def fence(self, stream: Any, pending: C.Pending | None) -> Fence:
         """Inside ``side(stream)``, after issuing ``pending``: the fence that marks its end."""
         pending = pending if pending is not None else C.DONE
@@ -113,13 +119,20 @@ class StreamJob:
     """One unit's gradient between its post-backward hook and the end of backward."""
 
     def __init__(self, unit: Any, full: torch.Tensor, shard: torch.Tensor, finish: Finish,
-                 scattered: Fence, done: Fence) -> None:
+                 scattered: Fence, done: Fence, read: torch.Tensor, first: Callable[[], Any]) -> None:
         self.unit = unit
         self.full = full
         """The unsharded gradient, read by the reduce-scatter until ``scattered``."""
         self.shard = shard
+        self.read = read
+        """The first collective's result, which ``finish`` reads on the all-reduce stream: kept until
+        ``done`` (with the optimizer sharded across replicas ``shard`` is another buffer, and with a
+        shard group of one this is a view of ``full``, which ``release_full`` lets go earlier)."""
         self.finish = finish
         """Kept for what it holds (a shard ``no_sync`` held, the compression's inputs) until ``done``."""
+        self.first = first
+        """The first collective's issuing function, kept for the same reason (NO_SHARD's adds what
+        ``no_sync`` held on the reduce-scatter stream)."""
         self.scattered = scattered
         self.done = done
         self.state = JobState.ISSUED
@@ -138,8 +151,8 @@ class StreamExecutor(Executor):
 
     kind = "streams"
 
-    def __init__(self, device: torch.device) -> None:
-        self.streams = StreamSet(device)
+    def __init__(self, device: torch.device, streams: StreamSet | None = None) -> None:
+        self.streams = StreamSet(device) if streams is None else streams
         self._jobs: list[StreamJob] = []
 
     def __bool__(self) -> bool:
@@ -150,14 +163,15 @@ class StreamExecutor(Executor):
         return self.streams.copy
 
     def gather(self, output: torch.Tensor, make_input: Callable[[], torch.Tensor], group: Any, *,
-               stats: Any = None, async_op: bool = False) -> Fence | None:
+               stats: Any = None, async_op: bool = False, after: Any = None) -> Fence | None:
         """All-gather every rank's ``make_input()`` into ``output`` on the all-gather stream.
 
-        ``make_input`` runs on that stream (a cast of the master shard stays off the compute stream).
+        ``make_input`` runs on that stream (a cast of the master shard stays off the compute stream),
+        after ``after`` (the master's all-gather across replicas), which only that stream waits for.
         Without ``async_op`` the compute stream waits for it before returning.
         """
         s = self.streams
-        with s.side(s.all_gather):
+        with s.side(s.all_gather, after=after):
             fence = s.fence(s.all_gather, C.all_gather(output, make_input(), group, stats=stats, async_op=True))
         if async_op:
             return fence
@@ -174,9 +188,12 @@ class StreamExecutor(Executor):
         with s.side(s.reduce_scatter):
             scattered = s.fence(s.reduce_scatter, issue_first())
         with s.side(s.all_reduce, after=scattered, follow_compute=False):
-            shard, last = finish(shard)
+            reduced, last = finish(shard)
             done = s.fence(s.all_reduce, last)
-        self._jobs.append(StreamJob(unit, full, shard, finish, scattered, done))
+        self._jobs.append(StreamJob(unit, full, reduced, finish, scattered, done, read=shard, first=issue_first))
+
+    def end_step(self) -> None:
+        self.streams.end_step()
 
     def drain(self) -> list[tuple[Any, torch.Tensor]]:
         """The compute stream waits for every job, in order; ``(unit, reduced shard)`` for each.
@@ -192,7 +209,7 @@ class StreamExecutor(Executor):
                 job.state = JobState.FAILED
                 error = error or err
             finally:
-                job.full = job.finish = None
+                job.full = job.finish = job.read = job.first = None
         if error is not None:
             raise error
         return out

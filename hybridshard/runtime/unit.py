@@ -228,15 +228,22 @@ class Unit:
 
     def _gather(self, async_op: bool = False) -> C.Pending | None:
         """Fill the allocated unsharded buffer from every rank's master shard."""
+        gathers = self.groups.shard_size > 1 and not self.flat.aliases_master and bool(self.flat.layout.slots)
+        after = None  # the replicas' updated slices, gathered into the master after the last step
         if self.replica_slice is not None:
-            self.replica_slice.wait()  # the replicas' updated slices, gathered after the last step
+            # Only the shard group's all-gather reads the master next: its stream waits, not the
+            # compute stream, which may still be computing an earlier unit (prefetch).
+            after = self.replica_slice.fence() if gathers else self.replica_slice.wait()
         self.flat.writeback_params()
         self.gathered_versions = self.flat.master_versions()
         if self.flat.aliases_master or not self.flat.layout.slots:
             return C.DONE  # nothing to gather: the master is the buffer, or the unit owns no parameter
         if self.groups.shard_size > 1:
-            return self.runtime.executor.gather(self.flat.unsharded.data, self.flat.gather_input, self.groups.shard,
-                                                stats=self.runtime.stats, async_op=async_op)
+            pending = self.runtime.executor.gather(self.flat.unsharded.data, self.flat.gather_input, self.groups.shard,
+                                                   stats=self.runtime.stats, async_op=async_op, after=after)
+            if after is not None:  # gloo bumps the master's version when the replicas' gather completes
+                self.gathered_versions = self.flat.master_versions()
+            return pending
         self.flat.unsharded.data.copy_(self.flat.sharded, non_blocking=True)  # from pinned memory if offloaded
         return C.DONE
 

@@ -144,7 +144,7 @@ def my_status() -> dict[str, Any]:
     if pending:
         first = pending[0]
         return {"state": "collective", "text": f"rank {rank}: in {first.describe(now)}",
-                "ranks": first.ranks(), "call": first.where.call}
+                "ranks": first.ranks(), "call": first.where.call, "seconds": now - first.started}
     here = current_where()
     return {"state": "running", "text": f"rank {rank}: not in a collective of the runtime ({here.describe()})",
             "call": here.call}

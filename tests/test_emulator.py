@@ -1,0 +1,294 @@
+"""The emulated device (hybridshard/runtime/emulate.py): its rules on their own, in one process, and
+the defects it exists to catch, on gloo ranks.
+
+The multi-process checks use 4 ranks on 2 simulated nodes (shard groups of 2) and 2 ranks on 2 nodes
+(shard groups of one), one pool each for the module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests import runtime_models as RM
+from tests.mp import RankPool
+
+
+@pytest.fixture
+def device():
+    from hybridshard.runtime.emulate import EmulatedStreams
+    from hybridshard.runtime.position import where
+
+    streams = EmulatedStreams(torch.device("cpu"))
+    streams.unit_names = ["<root>", "blocks.0"]
+    unit, phase = where.unit, where.phase
+    where.unit, where.phase = 1, "backward"
+    yield streams
+    where.unit, where.phase = unit, phase
+
+
+def test_side_stream_work_runs_only_when_waited_for(device):
+    buf = torch.ones(4)
+    with device.side(device.all_reduce):
+        out = buf.mul_(3)
+        doubled = buf * 2  # a new tensor: allocated now, filled when the stream runs
+        fence = device.fence(device.all_reduce, None)
+    assert out is buf and torch.equal(buf, torch.ones(4)), "the in-place op ran on the host"
+    assert device.pending() == 2
+    fence.wait()  # the compute stream (the host) waits: the stream runs up to the event
+    assert torch.equal(buf, torch.full((4,), 3.0)) and torch.equal(doubled, torch.full((4,), 6.0))
+    assert device.pending() == 0
+    assert device.waits == [("all_reduce", "compute", 1, "backward")]
+
+
+def test_a_dropped_buffer_is_caught_naming_unit_buffer_and_stream(device):
+    from hybridshard.runtime import emulate
+
+    buf = torch.ones(64)
+    emulate.label(buf, "blocks.0: gradient shard")
+    with device.side(device.all_reduce):
+        buf.mul_(2)
+        fence = device.fence(device.all_reduce, None)
+    del buf  # the runtime's last reference, before the compute stream waited on the stream
+    with pytest.raises(emulate.DeviceFault, match=r"^emulated device: mul_\.Tensor queued on the all_reduce stream "
+                       r"\(unit 'blocks\.0', backward\) touches buffer 'blocks\.0: gradient shard' \(torch\.float32, "
+                       r"256 bytes, storage 0x[0-9a-f]+, allocated on the compute stream\) after the runtime dropped "
+                       r"its last reference to it; keep that buffer referenced"):
+        fence.wait()
+
+
+def test_a_view_keeps_its_buffer_and_a_freed_storage_is_caught(device):
+    from hybridshard.runtime.emulate import DeviceFault
+
+    base = torch.ones(8)
+    view = base[2:6]
+    with device.side(device.reduce_scatter):
+        view.add_(1)
+        first = device.fence(device.reduce_scatter, None)
+    del base  # the view still holds the storage: nothing was released
+    first.wait()
+    assert view.tolist() == [2.0] * 4
+    with device.side(device.reduce_scatter):
+        view.add_(1)
+        second = device.fence(device.reduce_scatter, None)
+    view.untyped_storage().resize_(0)  # freed the way the runtime frees a gathered buffer
+    with pytest.raises(DeviceFault, match="after its storage was freed"):
+        second.wait()
+
+
+def test_a_temporary_of_the_same_stream_may_go(device):
+    with device.side(device.all_gather):
+        tmp = torch.empty(16)  # allocated on the all_gather stream
+        tmp.fill_(1)
+        kept = tmp + 1
+        fence = device.fence(device.all_gather, None)
+    del tmp  # reused only in the all_gather stream's order: safe
+    fence.wait()
+    assert kept.tolist() == [2.0] * 16
+
+
+def test_a_side_stream_waits_for_another_one_in_stream_order(device):
+    x = torch.zeros(4)
+    with device.side(device.reduce_scatter):
+        x.add_(1)
+        scattered = device.fence(device.reduce_scatter, None)
+    with device.side(device.all_reduce, after=scattered, follow_compute=False):
+        x.mul_(5)  # must see the reduce-scatter stream's add first
+        done = device.fence(device.all_reduce, None)
+    assert x.tolist() == [0.0] * 4 and device.pending() == 3  # the add, the marker, the mul
+    done.wait()
+    assert x.tolist() == [5.0] * 4
+    assert ("reduce_scatter", "all_reduce", 1, "backward") in device.waits
+
+
+def test_end_of_step_runs_what_is_queued(device):
+    x = torch.zeros(2)
+    with device.side(device.all_reduce):
+        x.add_(7)
+    device.end_step()
+    assert x.tolist() == [7.0, 7.0] and device.pending() == 0
+
+
+# -- on gloo ranks ---------------------------------------------------------------------------------
+
+def run(cfg: RM.Config) -> dict:
+    return RM.sharded_run(cfg)
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    with RankPool(4, num_nodes=2, layout="block", timeout=240) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    with RankPool(2, num_nodes=2, layout="block", timeout=240) as pool:
+        yield pool
+
+
+SLICED = replace(RM.Config(steps=3), shard_optimizer=True, optimizer="sgd", clip=1e6)
+
+
+def _bitwise(a: dict, b: dict) -> None:
+    assert a["losses"] == b["losses"] and a["norms"] == b["norms"], (a["losses"], b["losses"])
+    for key, value in b["state"].items():
+        assert torch.equal(a["state"][key], value), key
+
+
+@pytest.mark.parametrize("pool_name, cfg", [
+    ("pool4", SLICED),
+    ("pool4", replace(SLICED, compression="int8")),
+    ("pool2", SLICED),  # shard groups of one: the reduce-scatter "output" is a view of the gradient
+], ids=["S2", "S2-int8", "S1"])
+def test_optimizer_sliced_across_replicas_keeps_what_the_replicate_stream_reads(request, pool_name, cfg):
+    """Defect: the replicate reduce-scatter read a buffer nobody held any more (a gradient shard, or
+    with shard groups of one the unsharded gradient), so the allocator could reuse it mid-read."""
+    pool = request.getfixturevalue(pool_name)
+    emulated = pool.run(run, replace(cfg, executor="emulate"))
+    streams = pool.run(run, replace(cfg, executor="streams"))
+    for a, b in zip(emulated, streams):
+        _bitwise(a, b)
+    if cfg.compression is None:
+        RM.compare(RM.reference_run(cfg, pool.world_size), emulated[0], label=pool_name, atol=1e-5, rtol=1e-5)
+
+
+# -- host syncs -------------------------------------------------------------------------------------
+
+def test_host_syncs_are_counted_per_step_phase_and_site_from_the_runtimes_code_only():
+    from hybridshard.runtime import host_syncs
+    from hybridshard.runtime.position import where
+
+    counts = host_syncs.install()
+    counts.reset()
+    code = compile("def hot(t):\n    t.item(); t.tolist(); bool(t)\n    return torch.tensor([1], device='cpu')\n",
+                   "fake", "exec")
+    scope = {"__name__": "hybridshard.runtime.fake", "torch": torch}
+    exec(code, scope)
+    exempt = {"__name__": "hybridshard.runtime.grad_norm"}
+    exec(compile("def clip(t):\n    return t.item()\n", "fake", "exec"), exempt)
+    step, phase = where.step, where.phase
+    where.phase = "backward"
+    try:
+        scope["hot"](torch.ones(1))
+        exempt["clip"](torch.ones(1))
+        torch.ones(1).item()  # this module is not the runtime: not counted
+        host = host_syncs.mark_host(torch.ones(1))
+        exec(compile("def read(t):\n    return t.tolist()\n", "fake", "exec"), scope)
+        scope["read"](host)  # host memory: no sync
+    finally:
+        where.phase = phase
+    assert counts.hot == {
+        (step, "backward", "item in hybridshard.runtime.fake.hot"): 1,
+        (step, "backward", "tolist in hybridshard.runtime.fake.hot"): 1,
+        (step, "backward", "__bool__ in hybridshard.runtime.fake.hot"): 1,
+        (step, "backward", "torch.tensor(host data, device=) in hybridshard.runtime.fake.hot"): 1,
+    }, counts.hot
+    assert counts.exempt == {(step, "backward", "clip_grad_norm_"): 1}
+
+
+STEADY = [
+    RM.Config(steps=3),
+    replace(RM.Config(steps=3), strategy="FULL_SHARD", prefetch=2),
+    replace(RM.Config(steps=3), bf16=True, fp16=True, clip=1.0),
+    replace(RM.Config(steps=3), shard_optimizer=True, clip=1.0),
+]
+
+
+@pytest.mark.parametrize("cfg", STEADY, ids=["hybrid", "full-p2", "fp16-scaler-clip", "sliced-clip"])
+def test_no_host_sync_in_steady_state_steps(pool4, cfg):
+    """From the second step on the runtime makes no host sync but the documented exempt ones (the step
+    check used to make four a step: two torch.tensor(..., device=) and two .tolist())."""
+    for rank, got in enumerate(pool4.run(run, replace(cfg, executor="emulate"))):
+        assert got["host_syncs"]["hot"] == {}, (rank, got["host_syncs"]["hot"])
+        sites = {site for _, _, site in got["host_syncs"]["exempt"]}
+        assert sites <= {"GradScaler.step found_inf", "clip_grad_norm_"}, sites
+        if cfg.fp16:
+            assert "GradScaler.step found_inf" in sites
+
+
+# -- where the streams wait -------------------------------------------------------------------------
+
+def stream_waits(strategy: str, *, sliced: bool = False, micro_rs: bool = False) -> dict:
+    """Two steps under the emulator (the second one inside ``no_sync(reduce_scatter=True)`` first
+    with ``micro_rs``); the waits of the second step and what the no_sync backward queued."""
+    import torch.distributed as dist
+
+    import hybridshard as hs
+
+    model = RM.make_model(num_blocks=3)
+    hs.shard(model, strategy=strategy, groups=RM.groups(), wrap={RM.Block}, executor="emulate", prefetch=1,
+             shard_optimizer_across_replicas=sliced)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    streams = model._hybridshard_runtime.executor.streams
+    queued = {}
+    for step in range(2):
+        tokens = RM.batch(step, 0, dist.get_rank(), 2)
+        if micro_rs and step == 1:
+            before = streams.reduce_scatter.enqueued
+            with hs.no_sync(model, reduce_scatter=True):
+                RM.lm_loss(model(tokens), tokens).backward()
+            queued["no_sync reduce_scatter stream"] = streams.reduce_scatter.enqueued - before
+        RM.lm_loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"waits": list(streams.waits), **queued}
+
+
+def test_the_replica_gather_is_waited_for_by_the_all_gather_stream_not_compute(pool4):
+    """Defect: the compute stream waited for unit k+1's all-gather across replicas (issued after the
+    optimizer step) before unit k computed; only the shard group's all-gather stream needs it."""
+    for got in pool4.run(stream_waits, "HYBRID_SHARD", sliced=True):
+        forward = [w for w in got["waits"] if w[3] == "forward"]
+        assert not [w for w in forward if w[:2] == ("all_reduce", "compute")], forward
+        assert len([w for w in forward if w[:2] == ("all_reduce", "all_gather")]) == 4, forward  # one per unit
+
+
+def test_no_shard_reduction_does_not_stall_the_next_unit(pool4):
+    """Defect: NO_SHARD's world all-reduce made the compute stream wait for it at the next unit's
+    post-backward hook; the gradient it reads is the job's shard, held until the end of backward."""
+    for got in pool4.run(stream_waits, "NO_SHARD"):
+        backward = [w for w in got["waits"] if w[3] == "backward"]
+        assert not [w for w in backward if w[:2] == ("reduce_scatter", "compute")], backward
+
+
+def test_no_sync_reduce_scatter_runs_on_the_reduce_scatter_stream(pool4):
+    """Defect: inside no_sync(reduce_scatter=True) every reduce-scatter ran synchronously on the compute stream."""
+    for got in pool4.run(stream_waits, "HYBRID_SHARD", micro_rs=True):
+        assert got["no_sync reduce_scatter stream"] >= 4, got  # 4 units: a reduce-scatter each, plus local work
+
+
+def test_no_shard_no_sync_reduce_scatter_keeps_the_held_shard(pool4):
+    """Defect found by the emulator: NO_SHARD's all-reduce adds what no_sync held on the reduce-scatter
+    stream, and nothing held that shard once the hook returned."""
+    cfg = replace(RM.Config(steps=2), strategy="NO_SHARD", micro_steps=2, reduce_scatter_micro=True)
+    for a, b in zip(pool4.run(run, replace(cfg, executor="emulate")), pool4.run(run, replace(cfg, executor="streams"))):
+        _bitwise(a, b)
+
+
+def recorded_waits() -> list[tuple]:
+    import torch.distributed as dist
+
+    import hybridshard as hs
+
+    model = RM.make_model()
+    hs.shard(model, strategy="HYBRID_SHARD", groups=RM.groups(), wrap={RM.Block}, executor="emulate")
+    tokens = RM.batch(0, 0, dist.get_rank(), 2)
+    with hs.record_issue_order() as log:
+        RM.lm_loss(model(tokens), tokens).backward()
+    return [(i.group, i.kind, i.phase, i.stream, tuple(i.waited_by)) for i in log.issues]
+
+
+def test_recorded_collectives_name_their_stream_and_who_waited(pool4):
+    for got in pool4.run(recorded_waits):
+        gathers = [g for g in got if g[:2] == ("shard", "all_gather")]
+        assert gathers and all(g[3] == "all_gather" and g[4] and g[4][0].startswith("compute in unit ") for g in gathers), got
+        replicate = [g for g in got if g[0] == "replicate"]
+        assert len(replicate) == 3 and all(g[3] == "all_reduce" for g in replicate), replicate
+        assert all(g[4] and g[4][0].startswith("compute in unit ") for g in replicate), replicate  # drained
+        scatters = [g for g in got if g[:2] == ("shard", "reduce_scatter")]
+        assert all(g[3] == "reduce_scatter" and g[4][0].startswith("all_reduce in unit") for g in scatters), scatters
+        checks = [g for g in got if g[0] == "world"]
+        assert checks and all(g[3] == "" for g in checks)  # the step check: on the compute stream
