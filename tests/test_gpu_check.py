@@ -1,0 +1,87 @@
+"""`make gpu-check`'s driver (benchmarks/gpu_check.py) and its steps on a machine without a GPU.
+
+Every step must skip with a clear line and exit 0 here, ``GPU_CHECK_STEPS`` must select, and the
+one part that runs on CPU as well, one rank of a 64-rank job on torch's fake process group, runs as
+its scaled-down stand-in: the same script and code path with a small model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skips of a machine without CUDA")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _run(argv: list[str], timeout: int = 120, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, env={**ENV, **env}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_steps_are_in_priority_order_within_twelve_minutes():
+    assert [s.number for s in gpu_check.STEPS] == [1, 2, 3, 4, 5, 6]
+    assert gpu_check.TOTAL_BUDGET_S <= 12 * 60 - 30  # leaves time for the NVML recording and start-up
+    assert [s.number for s in gpu_check.selected("3, 1")] == [1, 3]
+    assert [s.number for s in gpu_check.selected("")] == [1, 2, 3, 4, 5, 6]
+    for bad in ("7", "1,x", ","):
+        with pytest.raises(ValueError, match=r"^GPU_CHECK_STEPS must be step numbers from \[1, 2, 3, 4, 5, 6\]"):
+            gpu_check.selected(bad)
+
+
+@no_gpu
+def test_driver_skips_every_step_and_exits_0():
+    done = _run(["benchmarks/gpu_check.py"], GPU_CHECK_STEPS="")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines == [f"step {s.number} ({s.name}): skipped: no CUDA device on this machine" for s in gpu_check.STEPS]
+
+
+@no_gpu
+def test_gpu_check_steps_selects_and_refuses_unknown_steps():
+    done = _run(["benchmarks/gpu_check.py"], GPU_CHECK_STEPS="1,3")
+    assert done.returncode == 0, done.stderr
+    assert [line.split(" (")[0] for line in done.stdout.splitlines()] == ["step 1", "step 3"]
+    bad = _run(["benchmarks/gpu_check.py"], GPU_CHECK_STEPS="9")
+    assert bad.returncode == 2 and "found '9'" in bad.stderr and not bad.stdout
+
+
+@no_gpu
+@pytest.mark.parametrize("script", ["host_sync_check.py", "gpu_step.py", "big_rank.py", "memory_trace.py",
+                                    "stream_race.py"])
+def test_each_step_script_skips_without_a_gpu(script):
+    args = ["--backend", "gloo"] if script == "memory_trace.py" else []
+    done = _run([f"benchmarks/{script}", *args])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("skipped: no CUDA device on this machine") or \
+        "skipped: no CUDA device on this machine (" in done.stdout, done.stdout
+
+
+def test_one_rank_of_a_64_rank_job_stand_in(tmp_path):
+    """The fake process group's store refuses every call: the runtime must go without one (peers.store()
+    is None), and the peak against the planner is computed for both hybridshard systems."""
+    out = tmp_path / "big.json"
+    done = _run(["benchmarks/big_rank.py", "--stand-in", "--steps", "2", "--warmup", "1", "--json", str(out)],
+                timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "figures: CPU stand-in rank 0 of 64 (8x8 fake mesh)" in done.stdout, done.stdout
+    got = json.loads(out.read_text())
+    assert got["store"] == {"found": False, "failed_calls": 0}, got["store"]
+    for name in ("hybrid", "sliced"):
+        r = got[name]
+        assert r["peak_bytes"] > 0 and r["planned_bytes"] > 0 and r["ratio"] == r["peak_bytes"] / r["planned_bytes"]
+        assert r["step_ms"] > 0
+    # The optimizer sliced across 8 replicas holds less: its planned and measured peaks are both lower.
+    assert got["sliced"]["planned_bytes"] < got["hybrid"]["planned_bytes"]
+    assert got["sliced"]["peak_bytes"] < got["hybrid"]["peak_bytes"]
+    assert got["fsdp2"]["step_ms"] > 0
