@@ -50,19 +50,35 @@ CONFIGS = {
 }
 STEPS = 4
 _PACKAGE = os.path.dirname(os.path.abspath(hs.__file__)) + os.sep
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_EXEMPT = (os.path.join("runtime", "grad_norm.py"), os.path.join("ft", "mode.py"))  # host_syncs.EXEMPT's
+_GRAD_SCALER = os.path.join("amp", "grad_scaler.py")
 
 
-def _site(filename: str) -> str | None:
-    """What the emulator would call the caller: hybridshard's code, an exempt caller, or None (elsewhere)."""
-    if filename.startswith(_PACKAGE):
-        return "hot" if not filename.endswith(os.path.join("runtime", "grad_norm.py")) else "exempt"
-    if filename.endswith(os.path.join("amp", "grad_scaler.py")):
-        return "exempt"
-    return None
+def classify(frame) -> tuple[str, str]:  # noqa: ANN001 - a frame object
+    """``(kind, "file:line")`` for a sync warned about in ``frame``: the emulator's names for who made it.
+
+    The innermost frame that is hybridshard's ("hot", or "exempt" for clip_grad_norm_ and torchft's
+    commit), torch's
+    ``GradScaler`` ("exempt"), or else the first one outside torch ("other"); torch's own Python
+    frames in between (``Event.synchronize``'s wrapper) are skipped, as the emulator counts the call
+    hybridshard made. Frames of the warnings machinery are skipped too.
+    """
+    while frame is not None:
+        name = frame.f_code.co_filename
+        where = f"{os.path.relpath(name)}:{frame.f_lineno}"
+        if name.startswith(_PACKAGE):
+            return ("exempt" if name.endswith(_EXEMPT) else "hot"), where
+        if name.endswith(_GRAD_SCALER):
+            return "exempt", where
+        if not name.startswith(_TORCH) and name != warnings.__file__ and name != __file__:
+            return "other", where
+        frame = frame.f_back
+    return "other", "?"
 
 
 class DeviceSyncs:
-    """Sync-debug warnings by ``(kind, phase)``; ``kind`` is "hot", "exempt" or "other"."""
+    """Sync-debug warnings by ``(kind, phase)`` (kind: see :func:`classify`) and by site."""
 
     def __init__(self) -> None:
         self.by_phase: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -72,7 +88,7 @@ class DeviceSyncs:
         self._catch = warnings.catch_warnings()
         self._catch.__enter__()
         warnings.simplefilter("always")
-        warnings.showwarning = self._show
+        warnings.showwarning = self.show
         torch.cuda.set_sync_debug_mode("warn")
         return self
 
@@ -80,12 +96,13 @@ class DeviceSyncs:
         torch.cuda.set_sync_debug_mode("default")
         self._catch.__exit__(*exc)
 
-    def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
+    def show(self, message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        """``warnings.showwarning``: counts the sync-debug warnings, drops the others."""
         if "synchronizing" not in str(message):
             return
-        kind = _site(filename) or "other"
+        kind, where = classify(sys._getframe(1))
         self.by_phase[(kind, current_where().phase)] += 1
-        self.sites[f"{kind} {os.path.relpath(filename)}:{lineno}"] += 1
+        self.sites[f"{kind} {where}"] += 1
 
 
 def run(name: str, device: torch.device, groups: hs.ShardGroups) -> dict:

@@ -85,3 +85,56 @@ def test_one_rank_of_a_64_rank_job_stand_in(tmp_path):
     assert got["sliced"]["planned_bytes"] < got["hybrid"]["planned_bytes"]
     assert got["sliced"]["peak_bytes"] < got["hybrid"]["peak_bytes"]
     assert got["fsdp2"]["step_ms"] > 0
+
+
+def test_stream_race_subset_runs_on_cpu():
+    """Step 5's run without the GPU and its sanitizer: the same subset (the optimizer sliced across 2
+    replicas, shard groups of one) trains its 3 steps on 2 gloo ranks."""
+    done = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "benchmarks/stream_race.py",
+                 "--cpu"], timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "figures: CPU dry run, no sanitizer: HYBRID_SHARD sliced across 2 replicas" in done.stdout, done.stdout
+
+
+def test_device_sync_warnings_are_attributed_as_the_emulator_counts():
+    """Step 1 on the GPU counts torch's sync-debug warnings by phase and caller; here the warnings are
+    raised by hand from code that claims to be hybridshard's, torch's GradScaler's, or the user's."""
+    import warnings
+
+    import host_sync_check as H
+
+    from hybridshard.runtime.position import where
+
+    def from_file(path: str) -> None:
+        code = compile("def sync(w):\n    w.warn('called a synchronizing CUDA operation')\n", path, "exec")
+        scope: dict = {}
+        exec(code, scope)
+        scope["sync"](warnings)
+
+    def through_torch(path: str) -> None:  # hybridshard's code calling a torch wrapper that syncs
+        inner: dict = {}
+        exec(compile("def sync(w):\n    w.warn('called a synchronizing CUDA operation')\n",
+                     os.path.join(H._TORCH, "cuda", "streams.py"), "exec"), inner)
+        outer = {"inner": inner["sync"]}
+        exec(compile("def call(w):\n    inner(w)\n", path, "exec"), outer)
+        outer["call"](warnings)
+
+    syncs = H.DeviceSyncs()
+    phase = where.phase
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = syncs.show
+        try:
+            where.phase = "backward"
+            from_file(os.path.join(H._PACKAGE, "runtime", "agreement.py"))
+            from_file(os.path.join(H._PACKAGE, "runtime", "agreement.py"))
+            where.phase = "forward"
+            through_torch(os.path.join(H._PACKAGE, "runtime", "streams.py"))
+            where.phase = "other"
+            from_file(os.path.join(H._PACKAGE, "runtime", "grad_norm.py"))
+            from_file(os.path.join(H._TORCH, "amp", "grad_scaler.py"))
+            from_file(str(ROOT / "train.py"))
+            warnings.warn("an unrelated warning")
+        finally:
+            where.phase = phase
+    assert syncs.by_phase == {("hot", "backward"): 2, ("hot", "forward"): 1, ("exempt", "other"): 2, ("other", "other"): 1}, syncs.by_phase
