@@ -109,13 +109,7 @@ def run(name: str, device: torch.device, groups: hs.ShardGroups) -> dict:
     strategy, variant = CONFIGS[name]
     cfg = replace(cuda_job.config(strategy, variant), steps=STEPS)
     emulated = device.type == "cpu"
-    model = RM.make_model(num_blocks=cfg.num_blocks)
-    model.checkpoint = cfg.checkpoint
-    mp = None
-    if cfg.bf16:
-        mp = hs.MixedPrecision(param_dtype=cfg.low_dtype, reduce_dtype=torch.float16 if cfg.fp16 else torch.float32)
-    hs.shard(model, strategy=cfg.strategy, groups=groups, wrap={RM.Block}, device=device, mixed_precision=mp,
-             offload=hs.CPUOffload() if cfg.offload else None, executor="emulate" if emulated else "streams")
+    model = cuda_job.sharded_model(cfg, groups, device, executor="emulate" if emulated else "streams")
     opt = RM.make_optimizer(cfg, model.parameters())
     scaler = hs.ShardedGradScaler(device.type, init_scale=2.0**10) if cfg.fp16 else None
     tokens = [RM.batch(step, 0, 0, cfg.micro_batch).to(device) for step in range(STEPS)]

@@ -15,7 +15,6 @@ Without a CUDA device it prints why and exits 0.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 from datetime import timedelta
@@ -27,9 +26,7 @@ import torch.nn as nn
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after an installed hybridshard
 
 import hybridshard as hs  # noqa: E402
-from hybridshard.planning.sizing import ModelSpec, memory  # noqa: E402
-from hybridshard.runtime.strategy import ShardingStrategy  # noqa: E402
-from tests.cuda_job import STRATEGIES, Mlp, shard_size_of  # noqa: E402
+from tests.cuda_job import STRATEGIES, memory_model, memory_plan  # noqa: E402
 
 TARGET = 1.10
 
@@ -48,15 +45,7 @@ class Trace:
 
 def traced_run(strategy: str, groups: hs.ShardGroups) -> tuple[int, int, tuple[str, int, int]]:
     device = groups.device
-    gc.collect()
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.manual_seed(0)
-    model = Mlp()
-    numels = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
-    hs.shard(model, strategy=strategy, groups=groups, wrap={nn.Linear}, device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(16, 1024, device=device)
+    base, model, opt, x = memory_model(strategy, groups)
     trace = Trace(device, base)
     def on_output(i: int):
         def hook(module: nn.Module, args: object, out: torch.Tensor) -> None:
@@ -78,9 +67,7 @@ def traced_run(strategy: str, groups: hs.ShardGroups) -> tuple[int, int, tuple[s
         opt.step()
         torch.cuda.synchronize(device)
         trace.mark("optimizer step")
-    s = ShardingStrategy[strategy]
-    plan = memory(s, shard_size_of(s, groups), model=ModelSpec(
-        num_params=sum(numels), unit_params=max(numels), root_params=0, param_dtype="fp32", reduce_dtype="fp32"))
+    plan = memory_plan(strategy, groups, model)
     # The peak since a mark is read at the next one: row k's peak happened between marks k-1 and k.
     labels = ["start"] + [r[0] for r in trace.rows]
     at = max(range(len(trace.rows)), key=lambda k: trace.rows[k][1])
