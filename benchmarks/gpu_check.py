@@ -13,7 +13,8 @@ first steps give the most if time runs out:
 5. a stream-race check under ``TORCH_CUDA_SANITIZER=1`` (benchmarks/stream_race.py)
 6. the CUDA path's correctness tests (tests/test_cuda.py)
 
-Without a CUDA device every step prints ``step N (<name>): skipped: <why>`` and the driver exits 0.
+Each command's whole output is kept in ``build/gpu-check-logs/step<N>-<k>.log``. Without a CUDA
+device every step prints ``step N (<name>): skipped: <why>`` and the driver exits 0.
 
     python benchmarks/gpu_check.py                      # every step
     GPU_CHECK_STEPS=1,3 python benchmarks/gpu_check.py  # a subset, still in this order
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -83,35 +85,52 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def run_step(step: Step, python: str = sys.executable) -> bool:
-    """Run one step's commands within its budget; print its lines (prefixed) and a closing line."""
+def run_step(step: Step, python: str = sys.executable, logs: str | None = None) -> bool:
+    """Run one step's commands within its budget; print their figure lines (prefixed) and a closing
+    line. Each command's whole output goes to ``<logs>/step<N>-<k>.log``."""
     head = f"step {step.number} ({step.name})"
     env = {**os.environ, **dict(step.env), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     # Last: an installed hybridshard (make gpu-check's site beside the node's torch) comes first; the
     # checkout adds tests/ (hybridshard.topology exists only installed).
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), ROOT) if p)
+    logs = logs or os.path.join(ROOT, "build", "gpu-check-logs")
+    os.makedirs(logs, exist_ok=True)
     start = time.monotonic()
     ok = True
-    for argv in step.commands:
+    for k, argv in enumerate(step.commands):
+        what = " ".join(argv[:4])
         left = step.budget_s - (time.monotonic() - start)
         if left <= 1:
-            print(f"{head}: out of its {step.budget_s} s budget before {' '.join(argv[:4])}", flush=True)
+            print(f"{head}: out of its {step.budget_s} s budget before {what}", flush=True)
             return False
+        # A session of its own, so that a stopped step takes its children (torchrun's ranks) with it.
+        proc = subprocess.Popen([python, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
         try:
-            done = subprocess.run([python, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=left)
-        except subprocess.TimeoutExpired as e:
-            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            out, err = proc.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            _save(logs, step, k, argv, out, err)
             _figures(head, out)
-            print(f"{head}: stopped at its {step.budget_s} s budget in {' '.join(argv[:4])}", flush=True)
+            print(f"{head}: stopped at its {step.budget_s} s budget in {what}", flush=True)
             return False
-        _figures(head, done.stdout)
-        if done.returncode != 0:
+        log = _save(logs, step, k, argv, out, err)
+        _figures(head, out)
+        if proc.returncode != 0:
             ok = False
-            tail = "\n    ".join((done.stdout + done.stderr).strip().splitlines()[-15:])
-            print(f"{head}: FAILED (exit {done.returncode}) in {' '.join(argv[:4])}:\n    {tail}", flush=True)
+            tail = "\n    ".join((out + err).strip().splitlines()[-15:])
+            print(f"{head}: FAILED (exit {proc.returncode}) in {what} (whole output: {log}):\n    {tail}", flush=True)
     print(f"{head}: {'done' if ok else 'failed'} in {time.monotonic() - start:.0f} s "
-          f"(budget {step.budget_s} s)", flush=True)
+          f"(budget {step.budget_s} s; output in {logs})", flush=True)
     return ok
+
+
+def _save(logs: str, step: Step, k: int, argv: tuple[str, ...], out: str, err: str) -> str:
+    path = os.path.join(logs, f"step{step.number}-{k}.log")
+    with open(path, "w") as f:
+        f.write(f"$ python {' '.join(argv)}\n{out}\n--- stderr ---\n{err}")
+    return path
 
 
 def _figures(head: str, stdout: str) -> None:

@@ -138,3 +138,24 @@ def test_device_sync_warnings_are_attributed_as_the_emulator_counts():
         finally:
             where.phase = phase
     assert syncs.by_phase == {("hot", "backward"): 2, ("hot", "forward"): 1, ("exempt", "other"): 2, ("other", "other"): 1}, syncs.by_phase
+
+
+def test_a_step_over_its_budget_is_stopped_with_its_children(tmp_path, capsys):
+    """A step that runs past its budget is stopped, children included (torchrun's ranks), and said so."""
+    import psutil
+
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('figures: started', flush=True); time.sleep(120)")
+    step = gpu_check.Step(9, "sleeps", 4, (("-c", code),))
+    assert gpu_check.run_step(step, logs=str(tmp_path)) is False
+    out = capsys.readouterr().out
+    assert "step 9 (sleeps): started" in out and "step 9 (sleeps): stopped at its 4 s budget" in out, out
+    child = int(pid_file.read_text())
+    try:
+        psutil.Process(child).wait(timeout=10)
+    except psutil.NoSuchProcess:
+        pass
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    assert (tmp_path / "step9-0.log").read_text().startswith("$ python -c")
