@@ -12,6 +12,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -146,16 +147,19 @@ def test_a_step_over_its_budget_is_stopped_with_its_children(tmp_path, capsys):
 
     pid_file = tmp_path / "child.pid"
     code = ("import subprocess, sys, time; "
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+            "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('figures: started', flush=True); time.sleep(120)")
     step = gpu_check.Step(9, "sleeps", 4, (("-c", code),))
+    start = time.monotonic()
     assert gpu_check.run_step(step, logs=str(tmp_path)) is False
+    assert time.monotonic() - start < 30
     out = capsys.readouterr().out
     assert "step 9 (sleeps): started" in out and "step 9 (sleeps): stopped at its 4 s budget" in out, out
     child = int(pid_file.read_text())
     try:
-        psutil.Process(child).wait(timeout=10)
-    except psutil.NoSuchProcess:
+        psutil.Process(child).wait(timeout=5)  # SIGKILL sent: gone at once (a zombie, if nobody reaps it)
+    except (psutil.NoSuchProcess, psutil.TimeoutExpired):
         pass
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
     assert (tmp_path / "step9-0.log").read_text().startswith("$ python -c")
