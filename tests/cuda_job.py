@@ -31,7 +31,7 @@ import torch.nn as nn
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after an installed hybridshard
 
 import hybridshard as hs  # noqa: E402
-from hybridshard.planning.sizing import ModelSpec, memory  # noqa: E402
+from hybridshard.planning.sizing import MemoryEstimate, ModelSpec, memory  # noqa: E402
 from hybridshard.runtime.issue_order import record_issue_order  # noqa: E402
 from hybridshard.runtime.strategy import ShardingStrategy  # noqa: E402
 from tests import runtime_models as RM  # noqa: E402
@@ -55,7 +55,8 @@ def config(strategy: str, variant: str) -> RM.Config:
     }[variant]
 
 
-def sharded_model(cfg: RM.Config, groups: hs.ShardGroups, device: torch.device, executor: str | None = None):
+def sharded_model(cfg: RM.Config, groups: hs.ShardGroups, device: torch.device,
+                  executor: str | None = None) -> nn.Module:
     """The runtime tests' model, sharded on ``device`` as ``cfg`` says."""
     model = RM.make_model(num_blocks=cfg.num_blocks)
     model.checkpoint = cfg.checkpoint
@@ -135,7 +136,7 @@ def memory_model(strategy: str, groups: hs.ShardGroups) -> tuple[int, Mlp, torch
     return before, model, opt, torch.randn(16, 1024, device=device)
 
 
-def memory_plan(strategy: str, groups: hs.ShardGroups, model: Mlp):
+def memory_plan(strategy: str, groups: hs.ShardGroups, model: Mlp) -> MemoryEstimate:
     """``sizing.memory`` for :func:`memory_model`'s model."""
     s, numels = ShardingStrategy[strategy], model.unit_numels
     return memory(s, shard_size_of(s, groups), model=ModelSpec(
