@@ -118,6 +118,9 @@ def main() -> int:
             print(f"  {name:>11}: median {med[name]:8.2f} ms/step (min {t[0]:.2f}, max {t[-1]:.2f}, {len(t)} rounds)")
         print(f"  ratio hybridshard / fsdp2: {med['hybridshard'] / med['fsdp2']:.3f}   (peak CUDA memory, both "
               f"models together: {peak:.0f} MiB)")
+        target = " (target <= 0.95)" if args.dtype == "fp32" else ""
+        print(f"figures: {args.strategy} {args.dtype}: hybridshard {med['hybridshard']:.2f} ms vs fsdp2 "
+              f"{med['fsdp2']:.2f} ms per step, ratio {med['hybridshard'] / med['fsdp2']:.3f}{target}", flush=True)
         if abs(first["hybridshard"] - first["fsdp2"]) > 1e-2 * abs(first["fsdp2"]):
             print("gpu_step: the two systems' first losses differ by more than 1%: they did not train the same model")
             return 1

@@ -31,7 +31,7 @@ import torch.nn as nn
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after an installed hybridshard
 
 import hybridshard as hs  # noqa: E402
-from hybridshard.planning.sizing import ModelSpec, memory  # noqa: E402
+from hybridshard.planning.sizing import MemoryEstimate, ModelSpec, memory  # noqa: E402
 from hybridshard.runtime.issue_order import record_issue_order  # noqa: E402
 from hybridshard.runtime.strategy import ShardingStrategy  # noqa: E402
 from tests import runtime_models as RM  # noqa: E402
@@ -55,16 +55,22 @@ def config(strategy: str, variant: str) -> RM.Config:
     }[variant]
 
 
-def run(cfg: RM.Config, groups: hs.ShardGroups) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = groups.device
+def sharded_model(cfg: RM.Config, groups: hs.ShardGroups, device: torch.device,
+                  executor: str | None = None) -> nn.Module:
+    """The runtime tests' model, sharded on ``device`` as ``cfg`` says."""
     model = RM.make_model(num_blocks=cfg.num_blocks)
     model.checkpoint = cfg.checkpoint
     mp = None
     if cfg.bf16:
         mp = hs.MixedPrecision(param_dtype=cfg.low_dtype, reduce_dtype=torch.float16 if cfg.fp16 else torch.float32)
-    hs.shard(model, strategy=cfg.strategy, groups=groups, wrap={RM.Block}, device=device, mixed_precision=mp,
-             offload=hs.CPUOffload() if cfg.offload else None)
+    return hs.shard(model, strategy=cfg.strategy, groups=groups, wrap={RM.Block}, device=device, mixed_precision=mp,
+                    offload=hs.CPUOffload() if cfg.offload else None, executor=executor)
+
+
+def run(cfg: RM.Config, groups: hs.ShardGroups) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = groups.device
+    model = sharded_model(cfg, groups, device)
     home = torch.device("cpu") if cfg.offload else device
     assert all(p.device == home for p in model.parameters()), f"parameters not on {home}"
     executor = model._hybridshard_runtime.executor
@@ -116,18 +122,31 @@ def shard_size_of(strategy: ShardingStrategy, groups: hs.ShardGroups) -> int:
     return groups.shard_size if strategy.is_hybrid else dist.get_world_size()
 
 
-def memory_run(strategy: str, groups: hs.ShardGroups) -> dict:
-    """Peak CUDA bytes of the second AdamW step (optimizer state exists) against the planner."""
+def memory_model(strategy: str, groups: hs.ShardGroups) -> tuple[int, Mlp, torch.optim.Optimizer, torch.Tensor]:
+    """CUDA bytes allocated before, then the sharded :class:`Mlp`, its AdamW and its input."""
     device = groups.device
     gc.collect()  # the previous strategy's model and optimizer (reference cycles through the hooks)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.manual_seed(0)
     model = Mlp()
-    numels = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    model.unit_numels = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
     hs.shard(model, strategy=strategy, groups=groups, wrap={nn.Linear}, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(16, 1024, device=device)
+    return before, model, opt, torch.randn(16, 1024, device=device)
+
+
+def memory_plan(strategy: str, groups: hs.ShardGroups, model: Mlp) -> MemoryEstimate:
+    """``sizing.memory`` for :func:`memory_model`'s model."""
+    s, numels = ShardingStrategy[strategy], model.unit_numels
+    return memory(s, shard_size_of(s, groups), model=ModelSpec(
+        num_params=sum(numels), unit_params=max(numels), root_params=0, param_dtype="fp32", reduce_dtype="fp32"))
+
+
+def memory_run(strategy: str, groups: hs.ShardGroups) -> dict:
+    """Peak CUDA bytes of the second AdamW step (optimizer state exists) against the planner."""
+    device = groups.device
+    before, model, opt, x = memory_model(strategy, groups)
     for step in range(2):
         if step == 1:
             torch.cuda.synchronize(device)
@@ -137,9 +156,7 @@ def memory_run(strategy: str, groups: hs.ShardGroups) -> dict:
         opt.step()
     torch.cuda.synchronize(device)
     measured = torch.cuda.max_memory_allocated(device) - before
-    s = ShardingStrategy[strategy]
-    planned = memory(s, shard_size_of(s, groups), model=ModelSpec(
-        num_params=sum(numels), unit_params=max(numels), root_params=0, param_dtype="fp32", reduce_dtype="fp32"))
+    planned = memory_plan(strategy, groups, model)
     persistent = planned.params + planned.optimizer  # the master and AdamW's state are alive throughout
     assert measured >= persistent, f"{strategy}: peak {measured} bytes below the master + optimizer {persistent}"
     del model, opt, x

@@ -41,11 +41,14 @@ def is_own_ask(n: int) -> bool:
 
 
 def store() -> Any:
-    """The job's store, or ``None``. Kept once found (with this rank's rank and the world size): it
-    stays usable after ``destroy_process_group``, while the process hosting it lives."""
+    """The job's store, or ``None`` (also under torch's ``fake`` backend, one rank standing for a
+    job). Kept once found (with this rank's rank and the world size): it stays usable after
+    ``destroy_process_group``, while the process hosting it lives."""
     found = _STORE.get("store")
     if found is None:
         try:
+            if dist.get_backend() == "fake":  # torch's fake process group: its store refuses every call
+                return None
             found = dist.distributed_c10d._get_default_store()
             _STORE["identity"] = (dist.get_rank(), dist.get_world_size())
         except Exception:  # noqa: BLE001 - no process group yet, or gone: callers go without
