@@ -4,6 +4,7 @@ HYBRIDSHARD_NODE_NAME names them apart; the cluster report says when hostnames a
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import subprocess
@@ -70,7 +71,7 @@ def test_one_hostname_on_two_machines_is_said():
 def test_two_network_namespaces_without_node_name_are_one_node(tmp_path):
     """Two "containers" made here: own network and UTS namespaces (hostnames host0, host1), one kernel,
     no HYBRIDSHARD_NODE_NAME. `topo --cluster` must see one node of two ranks."""
-    opts = ClusterOptions(num_nodes=2, procs_per_node=1, port=29531,
+    opts = ClusterOptions(num_nodes=2, procs_per_node=1, port=29531, log_dir=str(tmp_path / "logs"),
                           command=("python", "-m", "hybridshard", "topo", "--cluster", "--json"))
     env = host_env(os.environ)
     env["PYTHONPATH"] = REPO
@@ -89,7 +90,10 @@ def test_two_network_namespaces_without_node_name_are_one_node(tmp_path):
                 p.kill()
         net.teardown()
     assert [p.returncode for p in procs] == [0, 0], outs
-    text = outs[0]
+    # rank 0's stdout from its log in the run directory (the console's copy is prefixed and may interleave)
+    [path] = glob.glob(str(tmp_path / "logs" / "node0" / "*" / "attempt_0" / "0" / "stdout.log"))
+    with open(path) as f:
+        text = f.read()
     report = json.loads(text[text.index("\n{") + 1:] if not text.startswith("{") else text)
     (node,) = report["cluster"]["nodes"]
     assert sorted(r["rank"] for r in node["ranks"]) == [0, 1]
