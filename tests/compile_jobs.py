@@ -1,0 +1,91 @@
+"""Rank functions for tests/test_compile.py: compiled units against eager units of the same configuration.
+
+CI compiles with ``backend="aot_eager"``: dynamo (which decides frames, graph breaks and recompiles)
+and AOTAutograd (which traces forward and backward through the views) run as with inductor, without
+inductor's C++ code generation, which would take minutes on two shared cores. The inductor backend
+runs in ``hybridshard bench --compile``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, DIM, LAYERS, HEADS, SEQ, BATCH = 32, 32, 2, 2, 8, 4
+BACKEND = {"backend": "aot_eager"}
+
+
+def _model(checkpoint: bool) -> torch.nn.Module:
+    from hybridshard.bench.model import GPT, Block
+
+    torch.manual_seed(0)
+    model = GPT(VOCAB, DIM, LAYERS, HEADS, SEQ)
+    if checkpoint:  # non-reentrant, around each block (the unit inside the wrapper)
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    return model
+
+
+def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate: bool, steps: int,
+           groups: Any = None) -> dict[str, Any]:
+    """``steps`` SGD steps on one batch (so the loss falls); per step the loss and the gradient norm, then every full parameter, plus the
+    dynamo counters of the steps: frames compiled in step 0 and after it, and graph breaks."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import hybridshard as hs
+    from hybridshard.bench.model import Block, rank_batch
+
+    torch._dynamo.reset()
+    counters.clear()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model = hs.shard(_model(checkpoint), strategy=strategy, groups=groups, wrap={Block}, device="cpu",
+                     compile=compile_options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, norms, first_frames = [], [], 0
+    previous = torch._dynamo.config.error_on_recompile
+    try:
+        for step in range(steps):
+            tokens = rank_batch(0, rank, world, seed=1, batch=BATCH * world, seq=SEQ, vocab=VOCAB)
+            parts = tokens.chunk(2) if accumulate else [tokens]
+            for i, part in enumerate(parts):
+                ctx = hs.no_sync(model) if i + 1 < len(parts) else contextlib.nullcontext()
+                with ctx:
+                    logits = model(part[:, :-1])
+                    loss = F.cross_entropy(logits.reshape(-1, VOCAB), part[:, 1:].reshape(-1)) / len(parts)
+                    loss.backward()
+            norms.append(float(hs.clip_grad_norm_(model, max_norm=1e9)))  # never binding: only the norm
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()) * len(parts))
+            if step == 0:
+                first_frames = counters["frames"]["ok"]
+                torch._dynamo.config.error_on_recompile = True  # any recompile from here on raises
+    finally:
+        torch._dynamo.config.error_on_recompile = previous
+    full = hs.full_state_dict(model)
+    return {"losses": losses, "norms": norms, "params": full, "first_frames": first_frames,
+            "frames": counters["frames"]["ok"], "breaks": sum(counters["graph_break"].values()),
+            "break_reasons": dict(counters["graph_break"])}
+
+
+def compiled_and_eager(*, strategy: str = "FULL_SHARD", checkpoint: bool = False, accumulate: bool = False,
+                       steps: int = 3, hybrid: bool = False) -> dict[str, Any]:
+    """The same training compiled and eager; what the test compares (rank 0 and 1 alike)."""
+    import hybridshard as hs
+
+    groups = hs.init_groups() if hybrid else None
+    kw = dict(strategy=strategy, checkpoint=checkpoint, accumulate=accumulate, steps=steps, groups=groups)
+    eager = _train(False, **kw)
+    compiled = _train(BACKEND, **kw)
+    param_diff = max((compiled["params"][k] - eager["params"][k]).abs().max().item() for k in eager["params"])
+    return {
+        "eager_losses": eager["losses"], "compiled_losses": compiled["losses"],
+        "eager_norms": eager["norms"], "compiled_norms": compiled["norms"],
+        "param_max_diff": param_diff, "first_frames": compiled["first_frames"], "frames": compiled["frames"],
+        "breaks": compiled["breaks"], "break_reasons": compiled["break_reasons"], "eager_frames": eager["frames"],
+    }
