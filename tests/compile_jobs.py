@@ -30,8 +30,25 @@ def _model(checkpoint: bool) -> torch.nn.Module:
     return model
 
 
+def _llama() -> tuple[torch.nn.Module, type]:
+    """tests/hf_models.py's tiny Llama with ``use_cache=False`` and SDPA attention, stated."""
+    from tests.hf_models import make_model
+
+    model, layer_cls = make_model("llama")
+    model.config.use_cache = False
+    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    return model, layer_cls
+
+
+def _loss(model: torch.nn.Module, tokens: torch.Tensor, llama: bool) -> torch.Tensor:
+    if llama:  # as Hugging Face users train: keyword inputs, the output's loss
+        return model(input_ids=tokens, attention_mask=torch.ones_like(tokens), labels=tokens).loss
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
 def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate: bool, steps: int,
-           groups: Any = None) -> dict[str, Any]:
+           groups: Any = None, llama: bool = False) -> dict[str, Any]:
     """``steps`` SGD steps on one batch (so the loss falls); per step the loss and the gradient norm, then every full parameter, plus the
     dynamo counters of the steps: frames compiled in step 0 and after it, and graph breaks."""
     import torch._dynamo
@@ -43,7 +60,8 @@ def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate:
     torch._dynamo.reset()
     counters.clear()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    model = hs.shard(_model(checkpoint), strategy=strategy, groups=groups, wrap={Block}, device="cpu",
+    model, unit_cls = _llama() if llama else (_model(checkpoint), Block)
+    model = hs.shard(model, strategy=strategy, groups=groups, wrap={unit_cls}, device="cpu",
                      compile=compile_options)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, norms, first_frames = [], [], 0
@@ -55,8 +73,7 @@ def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate:
             for i, part in enumerate(parts):
                 ctx = hs.no_sync(model) if i + 1 < len(parts) else contextlib.nullcontext()
                 with ctx:
-                    logits = model(part[:, :-1])
-                    loss = F.cross_entropy(logits.reshape(-1, VOCAB), part[:, 1:].reshape(-1)) / len(parts)
+                    loss = _loss(model, part, llama) / len(parts)
                     loss.backward()
             norms.append(float(hs.clip_grad_norm_(model, max_norm=1e9)))  # never binding: only the norm
             opt.step()
@@ -74,12 +91,12 @@ def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate:
 
 
 def compiled_and_eager(*, strategy: str = "FULL_SHARD", checkpoint: bool = False, accumulate: bool = False,
-                       steps: int = 3, hybrid: bool = False) -> dict[str, Any]:
+                       steps: int = 3, hybrid: bool = False, llama: bool = False) -> dict[str, Any]:
     """The same training compiled and eager; what the test compares (rank 0 and 1 alike)."""
     import hybridshard as hs
 
     groups = hs.init_groups() if hybrid else None
-    kw = dict(strategy=strategy, checkpoint=checkpoint, accumulate=accumulate, steps=steps, groups=groups)
+    kw = dict(strategy=strategy, checkpoint=checkpoint, accumulate=accumulate, steps=steps, groups=groups, llama=llama)
     eager = _train(False, **kw)
     compiled = _train(BACKEND, **kw)
     param_diff = max((compiled["params"][k] - eager["params"][k]).abs().max().item() for k in eager["params"])

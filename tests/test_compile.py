@@ -58,3 +58,9 @@ def test_compile_option_errors():
         parse_compile("yes")
     with pytest.raises(ValueError, match=r"torch.compile accepts the keywords .* found \['modes'\]"):
         parse_compile({"modes": "x"})
+
+
+def test_compiled_hf_llama(pool):
+    """Hugging Face's Llama (keyword inputs, dataclass output, SDPA, ``use_cache=False``): the decoder layers compiled."""
+    for result in pool.run(compiled_and_eager, llama=True):
+        _check(result)
