@@ -105,4 +105,5 @@ def compiled_and_eager(*, strategy: str = "FULL_SHARD", checkpoint: bool = False
         "eager_norms": eager["norms"], "compiled_norms": compiled["norms"],
         "param_max_diff": param_diff, "first_frames": compiled["first_frames"], "frames": compiled["frames"],
         "breaks": compiled["breaks"], "break_reasons": compiled["break_reasons"], "eager_frames": eager["frames"],
+        "groups": (groups.shard_size, groups.replicate_size) if groups is not None else None,
     }

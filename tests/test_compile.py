@@ -1,8 +1,10 @@
 """``shard(..., compile=...)``: compiled units match eager ones, with no graph break and no recompile.
 
-One 2-rank pool (gloo, FULL_SHARD over both ranks) runs the tiny bench GPT (2 blocks) eager and
+One 2-rank pool (gloo, 2 simulated nodes of one rank; FULL_SHARD shards over both ranks) runs the tiny bench GPT (2 blocks) eager and
 compiled (``aot_eager``, see tests/compile_jobs.py) for 3 SGD steps: plain, and with non-reentrant
-activation checkpointing around each block plus ``no_sync`` over two micro-batches. Counted with
+activation checkpointing around each block plus ``no_sync`` over two micro-batches; HYBRID_SHARD
+across the two nodes (shard groups of 1, so the gradient path is the replicate all-reduce); and
+Hugging Face's tiny Llama. Counted with
 torch's own counters: ``counters["frames"]["ok"]`` (the blocks share their code: one frame) and
 ``counters["graph_break"]``; ``torch._dynamo.config.error_on_recompile`` is on after step 1.
 """
@@ -19,7 +21,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(2, num_nodes=1, timeout=400) as p:
+    with RankPool(2, num_nodes=2, timeout=400) as p:
         yield p
 
 
@@ -45,6 +47,12 @@ def test_compiled_full_shard_matches_eager(pool):
 
 def test_compiled_with_checkpointing_and_no_sync(pool):
     for result in pool.run(compiled_and_eager, checkpoint=True, accumulate=True):
+        _check(result)
+
+
+def test_compiled_hybrid_shard_across_nodes(pool):
+    for result in pool.run(compiled_and_eager, strategy="HYBRID_SHARD", hybrid=True):
+        assert result["groups"] == (1, 2)  # shard x replicate
         _check(result)
 
 
