@@ -48,9 +48,11 @@ def _loss(model: torch.nn.Module, tokens: torch.Tensor, llama: bool) -> torch.Te
 
 
 def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate: bool, steps: int,
-           groups: Any = None, llama: bool = False) -> dict[str, Any]:
+           groups: Any = None, llama: bool = False, seqs: tuple[int, ...] = ()) -> dict[str, Any]:
     """``steps`` SGD steps on one batch (so the loss falls); per step the loss and the gradient norm, then every full parameter, plus the
-    dynamo counters of the steps: frames compiled in step 0 and after it, and graph breaks."""
+    dynamo counters of the steps: frames compiled in step 0 and after it, and graph breaks. ``seqs``: a
+    sequence length per step (variable lengths: dynamo recompiles once, with a dynamic length, in step 1,
+    so recompiles raise from step 2 on)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -69,6 +71,8 @@ def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate:
     try:
         for step in range(steps):
             tokens = rank_batch(0, rank, world, seed=1, batch=BATCH * world, seq=SEQ, vocab=VOCAB)
+            if seqs:
+                tokens = tokens[:, :seqs[step] + 1]
             parts = tokens.chunk(2) if accumulate else [tokens]
             for i, part in enumerate(parts):
                 ctx = hs.no_sync(model) if i + 1 < len(parts) else contextlib.nullcontext()
@@ -81,6 +85,7 @@ def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate:
             losses.append(float(loss.detach()) * len(parts))
             if step == 0:
                 first_frames = counters["frames"]["ok"]
+            if step == (1 if seqs else 0):
                 torch._dynamo.config.error_on_recompile = True  # any recompile from here on raises
     finally:
         torch._dynamo.config.error_on_recompile = previous
@@ -91,12 +96,14 @@ def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate:
 
 
 def compiled_and_eager(*, strategy: str = "FULL_SHARD", checkpoint: bool = False, accumulate: bool = False,
-                       steps: int = 3, hybrid: bool = False, llama: bool = False) -> dict[str, Any]:
+                       steps: int = 3, hybrid: bool = False, llama: bool = False,
+                       seqs: tuple[int, ...] = ()) -> dict[str, Any]:
     """The same training compiled and eager; what the test compares (rank 0 and 1 alike)."""
     import hybridshard as hs
 
     groups = hs.init_groups() if hybrid else None
-    kw = dict(strategy=strategy, checkpoint=checkpoint, accumulate=accumulate, steps=steps, groups=groups, llama=llama)
+    kw = dict(strategy=strategy, checkpoint=checkpoint, accumulate=accumulate, steps=len(seqs) or steps,
+              groups=groups, llama=llama, seqs=seqs)
     eager = _train(False, **kw)
     compiled = _train(BACKEND, **kw)
     param_diff = max((compiled["params"][k] - eager["params"][k]).abs().max().item() for k in eager["params"])

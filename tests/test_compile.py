@@ -25,15 +25,15 @@ def pool():
         yield p
 
 
-def _check(result: dict) -> None:
+def _check(result: dict, *, steps: int = 3, recompiles: int = 0) -> None:
     assert result["breaks"] == 0, result["break_reasons"]
     assert result["eager_frames"] == 0
     # 2 blocks of one class: one frame, compiled in the first step and never again (else the
     # error_on_recompile switch would have raised in the rank).
-    assert result["first_frames"] == result["frames"] == 1
+    assert result["first_frames"] == 1 and result["frames"] == 1 + recompiles
     for key in ("losses", "norms"):
         eager, compiled = result[f"eager_{key}"], result[f"compiled_{key}"]
-        assert len(eager) == len(compiled) == 3
+        assert len(eager) == len(compiled) == steps
         assert max(abs(a - b) for a, b in zip(eager, compiled)) <= TOL, (key, eager, compiled)
     assert result["param_max_diff"] <= TOL
     # SGD with lr 0.5 and no clip: the parameters moved, so a constant-factor gradient error would show.
@@ -54,6 +54,12 @@ def test_compiled_hybrid_shard_across_nodes(pool):
     for result in pool.run(compiled_and_eager, strategy="HYBRID_SHARD", hybrid=True):
         assert result["groups"] == (1, 2)  # shard x replicate
         _check(result)
+
+
+def test_compiled_variable_sequence_lengths(pool):
+    """Lengths 8, 6, 4, 7: one recompile (dynamo makes the length dynamic in step 2), none after it."""
+    for result in pool.run(compiled_and_eager, seqs=(8, 6, 4, 7)):
+        _check(result, steps=4, recompiles=1)
 
 
 def test_compile_option_errors():
