@@ -66,8 +66,8 @@ def compile_units(units: Sequence[Any], options: dict[str, Any]) -> list[str]:
         if any(id(m) in modules for m in module.modules() if m is not module):
             logger.debug("compile: %s holds other units and stays eager", name)
             continue
-        # The bound method of the class, not an earlier instance attribute: compiling twice is one compile.
-        module.forward = torch.compile(type(module).forward.__get__(module), **options)
+        # ``module.forward`` as the module has it (a forward a library set on the instance included).
+        module.forward = torch.compile(module.forward, **options)
         compiled.append(name)
     logger.info("compiled %d of %d modules with units: %s", len(compiled), len(modules), compiled)
     return compiled
