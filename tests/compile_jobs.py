@@ -48,7 +48,8 @@ def _loss(model: torch.nn.Module, tokens: torch.Tensor, llama: bool) -> torch.Te
 
 
 def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate: bool, steps: int,
-           groups: Any = None, llama: bool = False, seqs: tuple[int, ...] = ()) -> dict[str, Any]:
+           groups: Any = None, llama: bool = False, seqs: tuple[int, ...] = (),
+           shard_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """``steps`` SGD steps on one batch (so the loss falls); per step the loss and the gradient norm, then every full parameter, plus the
     dynamo counters of the steps: frames compiled in step 0 and after it, and graph breaks. ``seqs``: a
     sequence length per step (variable lengths: dynamo recompiles once, with a dynamic length, in step 1,
@@ -64,7 +65,7 @@ def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model, unit_cls = _llama() if llama else (_model(checkpoint), Block)
     model = hs.shard(model, strategy=strategy, groups=groups, wrap={unit_cls}, device="cpu",
-                     compile=compile_options)
+                     compile=compile_options, **(shard_options or {}))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, norms, first_frames = [], [], 0
     previous = torch._dynamo.config.error_on_recompile
@@ -97,13 +98,13 @@ def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate:
 
 def compiled_and_eager(*, strategy: str = "FULL_SHARD", checkpoint: bool = False, accumulate: bool = False,
                        steps: int = 3, hybrid: bool = False, llama: bool = False,
-                       seqs: tuple[int, ...] = ()) -> dict[str, Any]:
+                       seqs: tuple[int, ...] = (), shard_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The same training compiled and eager; what the test compares (rank 0 and 1 alike)."""
     import hybridshard as hs
 
     groups = hs.init_groups() if hybrid else None
     kw = dict(strategy=strategy, checkpoint=checkpoint, accumulate=accumulate, steps=len(seqs) or steps,
-              groups=groups, llama=llama, seqs=seqs)
+              groups=groups, llama=llama, seqs=seqs, shard_options=shard_options)
     eager = _train(False, **kw)
     compiled = _train(BACKEND, **kw)
     param_diff = max((compiled["params"][k] - eager["params"][k]).abs().max().item() for k in eager["params"])

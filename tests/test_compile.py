@@ -7,11 +7,17 @@ across the two nodes (shard groups of 1, so the gradient path is the replicate a
 Hugging Face's tiny Llama. Counted with
 torch's own counters: ``counters["frames"]["ok"]`` (the blocks share their code: one frame) and
 ``counters["graph_break"]``; ``torch._dynamo.config.error_on_recompile`` is on after step 1.
+
+The rest of the matrix (the other strategies, bf16 mixed precision, the optimizer sharded across
+replicas) runs with ``HYBRIDSHARD_COMPILE_MATRIX=1``; CI leaves it out to keep its compile time down.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from tests.compile_jobs import compiled_and_eager
 from tests.mp import RankPool
@@ -60,6 +66,29 @@ def test_compiled_variable_sequence_lengths(pool):
     """Lengths 8, 6, 4, 7: one recompile (dynamo makes the length dynamic in step 2), none after it."""
     for result in pool.run(compiled_and_eager, seqs=(8, 6, 4, 7)):
         _check(result, steps=4, recompiles=1)
+
+
+MATRIX = {
+    "SHARD_GRAD_OP": dict(strategy="SHARD_GRAD_OP"),
+    "NO_SHARD": dict(strategy="NO_SHARD"),
+    "HYBRID_SHARD_ZERO2": dict(strategy="HYBRID_SHARD_ZERO2", hybrid=True),
+    "bf16": dict(shard_options={"mixed_precision": "bf16"}),
+    "optimizer_across_replicas": dict(strategy="HYBRID_SHARD", hybrid=True,
+                                      shard_options={"shard_optimizer_across_replicas": True}),
+}
+
+
+@pytest.mark.skipif(os.environ.get("HYBRIDSHARD_COMPILE_MATRIX") != "1", reason="set HYBRIDSHARD_COMPILE_MATRIX=1")
+@pytest.mark.parametrize("case", sorted(MATRIX))
+def test_compile_matrix(pool, case):
+    kw = dict(MATRIX[case])
+    if kw.get("shard_options", {}).get("mixed_precision") == "bf16":
+        import hybridshard as hs
+
+        kw["shard_options"] = {"mixed_precision": hs.MixedPrecision(param_dtype=torch.bfloat16,
+                                                                     reduce_dtype=torch.float32)}
+    for result in pool.run(compiled_and_eager, **kw):
+        _check(result)
 
 
 def test_compile_option_errors():
