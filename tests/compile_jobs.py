@@ -30,25 +30,25 @@ def _model(checkpoint: bool) -> torch.nn.Module:
     return model
 
 
-def _llama() -> tuple[torch.nn.Module, type]:
-    """tests/hf_models.py's tiny Llama with ``use_cache=False`` and SDPA attention, stated."""
+def _hf(kind: str) -> tuple[torch.nn.Module, type]:
+    """tests/hf_models.py's tiny Llama or GPT-2 with ``use_cache=False`` and SDPA attention, stated."""
     from tests.hf_models import make_model
 
-    model, layer_cls = make_model("llama")
+    model, layer_cls = make_model(kind)
     model.config.use_cache = False
     assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
     return model, layer_cls
 
 
-def _loss(model: torch.nn.Module, tokens: torch.Tensor, llama: bool) -> torch.Tensor:
-    if llama:  # as Hugging Face users train: keyword inputs, the output's loss
+def _loss(model: torch.nn.Module, tokens: torch.Tensor, hf: str) -> torch.Tensor:
+    if hf:  # as Hugging Face users train: keyword inputs, the output's loss
         return model(input_ids=tokens, attention_mask=torch.ones_like(tokens), labels=tokens).loss
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
 def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate: bool, steps: int,
-           groups: Any = None, llama: bool = False, seqs: tuple[int, ...] = (),
+           groups: Any = None, hf: str = "", seqs: tuple[int, ...] = (),
            shard_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """``steps`` SGD steps on one batch (so the loss falls); per step the loss and the gradient norm, then every full parameter, plus the
     dynamo counters of the steps: frames compiled in step 0 and after it, and graph breaks. ``seqs``: a
@@ -63,7 +63,7 @@ def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate:
     torch._dynamo.reset()
     counters.clear()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    model, unit_cls = _llama() if llama else (_model(checkpoint), Block)
+    model, unit_cls = _hf(hf) if hf else (_model(checkpoint), Block)
     model = hs.shard(model, strategy=strategy, groups=groups, wrap={unit_cls}, device="cpu",
                      compile=compile_options, **(shard_options or {}))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -78,7 +78,7 @@ def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate:
             for i, part in enumerate(parts):
                 ctx = hs.no_sync(model) if i + 1 < len(parts) else contextlib.nullcontext()
                 with ctx:
-                    loss = _loss(model, part, llama) / len(parts)
+                    loss = _loss(model, part, hf) / len(parts)
                     loss.backward()
             norms.append(float(hs.clip_grad_norm_(model, max_norm=1e9)))  # never binding: only the norm
             opt.step()
@@ -97,14 +97,14 @@ def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate:
 
 
 def compiled_and_eager(*, strategy: str = "FULL_SHARD", checkpoint: bool = False, accumulate: bool = False,
-                       steps: int = 3, hybrid: bool = False, llama: bool = False,
+                       steps: int = 3, hybrid: bool = False, hf: str = "",
                        seqs: tuple[int, ...] = (), shard_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The same training compiled and eager; what the test compares (rank 0 and 1 alike)."""
     import hybridshard as hs
 
     groups = hs.init_groups() if hybrid else None
     kw = dict(strategy=strategy, checkpoint=checkpoint, accumulate=accumulate, steps=len(seqs) or steps,
-              groups=groups, llama=llama, seqs=seqs, shard_options=shard_options)
+              groups=groups, hf=hf, seqs=seqs, shard_options=shard_options)
     eager = _train(False, **kw)
     compiled = _train(BACKEND, **kw)
     param_diff = max((compiled["params"][k] - eager["params"][k]).abs().max().item() for k in eager["params"])

@@ -9,7 +9,7 @@ torch's own counters: ``counters["frames"]["ok"]`` (the blocks share their code:
 ``counters["graph_break"]``; ``torch._dynamo.config.error_on_recompile`` is on after step 1.
 
 The rest of the matrix (the other strategies, bf16 mixed precision, the optimizer sharded across
-replicas) runs with ``HYBRIDSHARD_COMPILE_MATRIX=1``; CI leaves it out to keep its compile time down.
+replicas, GPT-2) runs with ``HYBRIDSHARD_COMPILE_MATRIX=1``; CI leaves it out to keep its compile time down.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def test_compiled_variable_sequence_lengths(pool):
 MATRIX = {
     "SHARD_GRAD_OP": dict(strategy="SHARD_GRAD_OP"),
     "NO_SHARD": dict(strategy="NO_SHARD"),
+    "gpt2": dict(hf="gpt2"),
     "HYBRID_SHARD_ZERO2": dict(strategy="HYBRID_SHARD_ZERO2", hybrid=True),
     "bf16": dict(shard_options={"mixed_precision": "bf16"}),
     "optimizer_across_replicas": dict(strategy="HYBRID_SHARD", hybrid=True,
@@ -105,5 +106,5 @@ def test_compile_option_errors():
 
 def test_compiled_hf_llama(pool):
     """Hugging Face's Llama (keyword inputs, dataclass output, SDPA, ``use_cache=False``): the decoder layers compiled."""
-    for result in pool.run(compiled_and_eager, llama=True):
+    for result in pool.run(compiled_and_eager, hf="llama"):
         _check(result)
