@@ -84,7 +84,7 @@ def run_worker(cfg: BenchConfig, out_dir: str, *, link: str, from_job: bool, pri
                                 timeout=datetime.timedelta(seconds=cfg.timeout_s))
     # Every system's hooks on one clock, from before any model is wrapped until the end (FSDP1 looks
     # some of its hooks up at each forward); see [Note: timing other systems' hooks].
-    # Not under --compile: dynamo would trace the wrapped FSDP2 hooks inside the compiled blocks.
+    # Not under --compile: the wrappers around FSDP2's hooks must not change what dynamo traces in its blocks.
     timed = set() if cfg.compile else {c.system.value for c in cfg.contestants if c.system is not System.FLOOR}
     clock = HookClock().install(sorted(timed))
     try:
