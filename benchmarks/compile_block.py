@@ -57,7 +57,8 @@ def main() -> None:
     print(f"block d_model {args.d_model}, seq {args.seq}, batch {args.batch}, {torch.get_num_threads()} thread(s), "
           f"torch {torch.__version__}")
     print(f"forward+backward: eager {eager:.2f} ms, compiled {compiled:.2f} ms ({compiled / eager:.2f}x); "
-          f"no_grad forward: eager {eager_fwd:.2f} ms, compiled {compiled_fwd:.2f} ms ({compiled_fwd / eager_fwd:.2f}x); "
+          f"no_grad forward: eager {eager_fwd:.2f} ms, compiled {compiled_fwd:.2f} ms "
+          f"({compiled_fwd / eager_fwd:.2f}x); "
           f"first compiled step {first:.1f} s")
 
 

@@ -50,10 +50,10 @@ def _loss(model: torch.nn.Module, tokens: torch.Tensor, hf: str) -> torch.Tensor
 def _train(compile_options: Any, *, strategy: str, checkpoint: bool, accumulate: bool, steps: int,
            groups: Any = None, hf: str = "", seqs: tuple[int, ...] = (),
            shard_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``steps`` SGD steps on one batch (so the loss falls); per step the loss and the gradient norm, then every full parameter, plus the
-    dynamo counters of the steps: frames compiled in step 0 and after it, and graph breaks. ``seqs``: a
-    sequence length per step (variable lengths: dynamo recompiles once, with a dynamic length, in step 1,
-    so recompiles raise from step 2 on)."""
+    """``steps`` SGD steps on one batch (so the loss falls); per step the loss and the gradient norm,
+    then every full parameter, plus the dynamo counters: frames compiled in step 0 and in all, and
+    graph breaks. ``seqs``: a sequence length per step (variable lengths: dynamo recompiles once,
+    with a dynamic length, in step 1, so recompiles raise from step 2 on)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 

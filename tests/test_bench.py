@@ -198,7 +198,8 @@ def test_compile_flag_adds_compiled_variants_and_the_compile_table():
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
-    cfg = config_from_args(parser.parse_args(["bench", "--compile", "--variants", "hybridshard,hybridshard:compile=true"]))
+    argv = ["bench", "--compile", "--variants", "hybridshard,hybridshard:compile=true"]
+    cfg = config_from_args(parser.parse_args(argv))
     assert cfg.compile and [c.name for c in cfg.contestants] == ["hybridshard", "hybridshard:compile=true", "fsdp2"]
     assert not config_from_args(parser.parse_args(["bench"])).compile
 

@@ -1,15 +1,16 @@
 """``shard(..., compile=...)``: compiled units match eager ones, with no graph break and no recompile.
 
-One 2-rank pool (gloo, 2 simulated nodes of one rank; FULL_SHARD shards over both ranks) runs the tiny bench GPT (2 blocks) eager and
-compiled (``aot_eager``, see tests/compile_jobs.py) for 3 SGD steps: plain, and with non-reentrant
-activation checkpointing around each block plus ``no_sync`` over two micro-batches; HYBRID_SHARD
-across the two nodes (shard groups of 1, so the gradient path is the replicate all-reduce); and
-Hugging Face's tiny Llama. Counted with
-torch's own counters: ``counters["frames"]["ok"]`` (the blocks share their code: one frame) and
-``counters["graph_break"]``; ``torch._dynamo.config.error_on_recompile`` is on after step 1.
+One 2-rank pool (gloo, 2 simulated nodes of one rank; FULL_SHARD shards over both ranks) runs each
+case eager and compiled (``aot_eager``, see tests/compile_jobs.py) for 3 SGD steps: the tiny bench
+GPT (2 blocks); the same with non-reentrant activation checkpointing around each block plus
+``no_sync`` over two micro-batches; HYBRID_SHARD across the two nodes (shard groups of 1, so the
+gradient path is the replicate all-reduce); variable sequence lengths; Hugging Face's tiny Llama.
+Counted with torch's own counters: ``counters["frames"]["ok"]`` (the blocks share their code: one
+frame) and ``counters["graph_break"]``; ``torch._dynamo.config.error_on_recompile`` is on after step 1.
 
 The rest of the matrix (the other strategies, bf16 mixed precision, the optimizer sharded across
-replicas, GPT-2) runs with ``HYBRIDSHARD_COMPILE_MATRIX=1``; CI leaves it out to keep its compile time down.
+replicas, GPT-2) runs with ``HYBRIDSHARD_COMPILE_MATRIX=1``; CI leaves it out to keep its compile
+time down.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def test_compile_option_errors():
 
 
 def test_compiled_hf_llama(pool):
-    """Hugging Face's Llama (keyword inputs, dataclass output, SDPA, ``use_cache=False``): the decoder layers compiled."""
+    """Hugging Face's Llama (keyword inputs, dataclass output, SDPA, ``use_cache=False``): its decoder
+    layers compiled."""
     for result in pool.run(compiled_and_eager, hf="llama"):
         _check(result)

@@ -139,7 +139,8 @@ def _run(cfg: BenchConfig, out_dir: str, clock: HookClock, *, link: str, from_jo
     progress.close()
     for t in trainers:  # the runtime's CPU overhead: wall time in its hooks, per unit and step
         facts[t.contestant.name]["compile"] = compiles.facts(t.contestant.name)
-        if t.contestant.system is not System.FLOOR and not cfg.compile:  # the same clock for every system, over the timed steps
+        # The same clock for every system, over the timed steps (off under --compile).
+        if t.contestant.system is not System.FLOOR and not cfg.compile:
             facts[t.contestant.name]["hooks_ms_per_step"] = clock.seconds[t.contestant.name] * 1e3 / (
                 cfg.rounds * cfg.steps)
             facts[t.contestant.name]["hooks_cpu_ms_per_step"] = clock.cpu_seconds[t.contestant.name] * 1e3 / (

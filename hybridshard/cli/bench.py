@@ -105,7 +105,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     variants = [parse_variant(v) for v in _variants(args.variants)] if System.HYBRIDSHARD in systems else []
     if compiled:  # each variant eager and compiled, side by side
         listed = {c.name for c in variants}
-        more = [Contestant(c.system, c.options + (("compile", True),)) for c in variants if "compile" not in dict(c.options)]
+        more = [Contestant(c.system, c.options + (("compile", True),))
+                for c in variants if "compile" not in dict(c.options)]
         variants += [c for c in more if c.name not in listed]
     if System.HYBRIDSHARD in systems and not variants:
         raise ValueError("--variants is empty but --systems lists hybridshard; pass e.g. --variants hybridshard")
