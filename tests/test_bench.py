@@ -188,3 +188,37 @@ def test_live_bytes_count_storage_resizes():
         kept.untyped_storage().resize_(0)
     assert live.peak() == 4400 and live.live() == 0
     assert torch.UntypedStorage.resize_.__qualname__ != "counting_resizes.<locals>.resize_"
+
+
+def test_compile_flag_adds_compiled_variants_and_the_compile_table():
+    """``--compile``: each variant eager and compiled, FSDP2 compiled, and the compile reported apart."""
+    import argparse
+
+    from hybridshard.cli.bench import add_parser, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    argv = ["bench", "--compile", "--variants", "hybridshard,hybridshard:compile=true"]
+    cfg = config_from_args(parser.parse_args(argv))
+    assert cfg.compile and [c.name for c in cfg.contestants] == ["hybridshard", "hybridshard:compile=true", "fsdp2"]
+    assert not config_from_args(parser.parse_args(["bench"])).compile
+
+    def entry(system, options, median, counts):
+        first, frames, breaks, recompiles = counts
+        return {"system": system, "options": options, "median_ms": median, "p10_ms": median, "p90_ms": median,
+                "ratio": {"fsdp2": median / 40.0}, "loss_max_abs_diff": 0.0, "bytes_per_step": {},
+                "peak_bytes": 1e6, "compile": {"first_step_ms": first, "frames_first_step": frames,
+                                               "graph_breaks": breaks, "recompiles": recompiles}}
+
+    results = {"strategy": "HYBRID_SHARD", "world_size": 2, "replicate_size": 1, "shard_size": 2, "link": "loopback",
+               "device": "cpu", "backend": "gloo", "torch": "x", "threads_per_rank": 1, "reference": "hybridshard",
+               "model": {"d_model": 8, "layers": 1, "heads": 1, "seq": 4, "global_batch": 2, "params": 10,
+                         "dtype": "float32", "optimizer": "AdamW"},
+               "schedule": {"warmup": 2, "rounds": 1, "steps_per_round": 1, "order": "rotated"},
+               "max_rss_bytes_by_rank": [1e6], "compile": True,
+               "systems": {"hybridshard": entry("hybridshard", {}, 50.0, (60.0, 0, 0, 0)),
+                           "hybridshard:compile=true": entry("hybridshard", {"compile": True}, 30.0, (9000.0, 1, 0, 0)),
+                           "fsdp2": entry("fsdp2", {}, 40.0, (6000.0, 3, 0, 0))}}
+    text = render_text(results)
+    row = next(line for line in text.splitlines() if line.startswith("hybridshard:compile=true") and "9.0" in line)
+    assert row.split()[1:] == ["9.0", "1", "0", "0", "30.0", "0.60", "0.75"]  # /eager 30/50, /fsdp2 30/40

@@ -25,6 +25,34 @@ def _hooks_ms(entry: dict[str, Any], key: str = "hooks_ms_per_step_by_rank") -> 
     return values[len(values) // 2] if values else None
 
 
+def _eager_twin(results: dict[str, Any], entry: dict[str, Any]) -> str | None:
+    """The hybridshard contestant with ``entry``'s options but ``compile``: what a compiled variant is compared with."""
+    options = {k: v for k, v in entry["options"].items() if k != "compile"}
+    return next((n for n, e in results["systems"].items() if e["system"] == "hybridshard" and e["options"] == options
+                 and entry["options"].get("compile")), None)
+
+
+def _compile_table(results: dict[str, Any]) -> list[str]:
+    """``--compile``: the compile apart from the steps; see [Note: bench compile counts]."""
+    header = (f"{'system':<28} {'first step s':>12} {'frames':>6} {'breaks':>6} {'recompiles':>10} {'median ms':>9} "
+              f"{'/eager':>7} {'/fsdp2':>7}")
+    lines = ["", "compile: first step (compile included) apart from the median step; frames, graph breaks and "
+             "recompiles (frames compiled after the first step) from torch._dynamo's counters", header,
+             "-" * len(header)]
+    medians = {n: e["median_ms"] for n, e in results["systems"].items()}
+    for name, e in results["systems"].items():
+        c, twin = e["compile"], _eager_twin(results, e)
+        first = c["first_step_ms"] and c["first_step_ms"] / 1e3
+        lines.append(
+            f"{name:<28} {_cell(first, '12.1f')} {c['frames_first_step']:6d} {c['graph_breaks']:6d} "
+            f"{c['recompiles']:10d} {e['median_ms']:9.1f} {_cell(twin and medians[name] / medians[twin], '7.2f')} "
+            f"{_cell(e['ratio'].get('fsdp2'), '7.2f')}"
+        )
+    lines.append("/eager: median step over the same hybridshard variant's eager median; /fsdp2: over FSDP2 + "
+                 "compile's (FSDP2 compiles each block after fully_shard).")
+    return lines
+
+
 def render_text(results: dict[str, Any]) -> str:
     m, sch = results["model"], results["schedule"]
     timed = sch["rounds"] * sch["steps_per_round"]
@@ -51,6 +79,8 @@ def render_text(results: dict[str, Any]) -> str:
             f"{_cell(repl and repl / _MB, '8.2f')} {e['peak_bytes'] / _MB:8.1f} {_cell(_hooks_ms(e), '8.1f')} "
             f"{_cell(_hooks_ms(e, 'hooks_cpu_ms_per_step_by_rank'), '8.1f')}"
         )
+    if results.get("compile"):
+        lines += _compile_table(results)
     rss = max(results["max_rss_bytes_by_rank"]) / _MB
     lines += [
         "",

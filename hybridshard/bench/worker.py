@@ -25,6 +25,7 @@ import torch.distributed as dist
 import hybridshard as hs
 from hybridshard.bench import measure, stats
 from hybridshard.bench.config import BenchConfig, System
+from hybridshard.bench.compiled import CompileCounts
 from hybridshard.bench.hook_time import HookClock
 from hybridshard.bench.model import rank_batch
 from hybridshard.bench.progress import Progress
@@ -83,7 +84,9 @@ def run_worker(cfg: BenchConfig, out_dir: str, *, link: str, from_job: bool, pri
                                 timeout=datetime.timedelta(seconds=cfg.timeout_s))
     # Every system's hooks on one clock, from before any model is wrapped until the end (FSDP1 looks
     # some of its hooks up at each forward); see [Note: timing other systems' hooks].
-    clock = HookClock().install(sorted({c.system.value for c in cfg.contestants if c.system is not System.FLOOR}))
+    # Not under --compile: the wrappers around FSDP2's hooks must not change what dynamo traces in its blocks.
+    timed = set() if cfg.compile else {c.system.value for c in cfg.contestants if c.system is not System.FLOOR}
+    clock = HookClock().install(sorted(timed))
     try:
         return _run(cfg, out_dir, clock, link=link, from_job=from_job, print_report=print_report)
     finally:
@@ -102,12 +105,23 @@ def _run(cfg: BenchConfig, out_dir: str, clock: HookClock, *, link: str, from_jo
     progress = Progress(len(trainers) * (1 + cfg.rounds), enabled=rank == 0, machine=from_job)
     losses: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     facts: dict[str, dict] = {}
-    for t in trainers:  # warm-up; the last warm-up step is the measured one
-        for _ in range(cfg.warmup - 1):
-            losses[t.contestant.name].append(t.step(_batch(cfg, t.steps_done).to(device)))
-        loss, facts[t.contestant.name] = _measured_step(t, cfg, groups, device)
-        losses[t.contestant.name].append(loss)
-        progress.advance(f"warm-up {t.contestant.name}")
+    compiles = CompileCounts()
+    for t in trainers:  # warm-up; the first is timed (the compile), the last warm-up step is the measured one
+        name = t.contestant.name
+        for k in range(cfg.warmup):
+            if k == 0:
+                _barrier(device)
+                t0 = time.perf_counter()
+            with compiles.step(name):
+                if k == cfg.warmup - 1:
+                    loss, facts[name] = _measured_step(t, cfg, groups, device)
+                else:
+                    loss = t.step(_batch(cfg, t.steps_done).to(device))
+            losses[name].append(loss)
+            if k == 0:
+                _barrier(device)
+                compiles.first_step_ms[name] = (time.perf_counter() - t0) * 1e3
+        progress.advance(f"warm-up {name}")
     times_ms: dict[str, list[float]] = {n: [] for n in names}
     clock.reset()
     for r in range(cfg.rounds):  # see [Note: bench timing]
@@ -117,13 +131,16 @@ def _run(cfg: BenchConfig, out_dir: str, clock: HookClock, *, link: str, from_jo
                 batch = _batch(cfg, t.steps_done).to(device)
                 _barrier(device)
                 t0 = time.perf_counter()
-                losses[t.contestant.name].append(t.step(batch))
+                with compiles.step(t.contestant.name):
+                    losses[t.contestant.name].append(t.step(batch))
                 _barrier(device)
                 times_ms[t.contestant.name].append((time.perf_counter() - t0) * 1e3)
             progress.advance(f"round {r + 1}/{cfg.rounds} {t.contestant.name}")
     progress.close()
     for t in trainers:  # the runtime's CPU overhead: wall time in its hooks, per unit and step
-        if t.contestant.system is not System.FLOOR:  # the same clock for every system, over the timed steps
+        facts[t.contestant.name]["compile"] = compiles.facts(t.contestant.name)
+        # The same clock for every system, over the timed steps (off under --compile).
+        if t.contestant.system is not System.FLOOR and not cfg.compile:
             facts[t.contestant.name]["hooks_ms_per_step"] = clock.seconds[t.contestant.name] * 1e3 / (
                 cfg.rounds * cfg.steps)
             facts[t.contestant.name]["hooks_cpu_ms_per_step"] = clock.cpu_seconds[t.contestant.name] * 1e3 / (
@@ -186,6 +203,7 @@ def _assemble(cfg: BenchConfig, groups, names: list[str], times_ms: dict[str, li
             "hooks_ms_per_step_by_rank": [r["facts"][n].get("hooks_ms_per_step") for r in per_rank],
             "hooks_cpu_ms_per_step_by_rank": [r["facts"][n].get("hooks_cpu_ms_per_step") for r in per_rank],
             "gather_wait_ms_per_step_by_rank": [r["facts"][n].get("gather_wait_ms_per_step") for r in per_rank],
+            "compile": per_rank[0]["facts"][n]["compile"],
         }
     return {
         "benchmark": "hybridshard bench",
@@ -206,6 +224,7 @@ def _assemble(cfg: BenchConfig, groups, names: list[str], times_ms: dict[str, li
         "schedule": {"warmup": cfg.warmup, "rounds": cfg.rounds, "steps_per_round": cfg.steps,
                      "order": "rotated by one contestant per round"},
         "reference": reference,
+        "compile": cfg.compile,
         "max_rss_bytes_by_rank": [r["max_rss_bytes"] for r in per_rank],
         "systems": entries,
     }

@@ -3,6 +3,7 @@
     hybridshard bench                                   # 2 nodes x 2 ranks on loopback, HYBRID_SHARD
     hybridshard bench --strategy hybrid_shard_zero2 --inter-node-bandwidth 100mbit
     hybridshard bench --variants hybridshard,hybridshard:prefetch=0 --systems hybridshard,fsdp1
+    hybridshard bench --compile --nodes 1                # eager and compiled hybridshard, FSDP2 + compile
 
 The command starts the job itself (see [Note: bench job] in :mod:`hybridshard.bench.job`), waits,
 then prints the table (or ``--json``) from ``OUT/bench.json``; the chart is ``OUT/bench.png``. Under
@@ -18,11 +19,12 @@ import logging
 import os
 import sys
 
-from hybridshard.bench.config import DEFAULT_SYSTEMS, BenchConfig, System, contestants, parse_variant
+from hybridshard.bench.config import DEFAULT_SYSTEMS, BenchConfig, Contestant, System, contestants, parse_variant
 
 logger = logging.getLogger(__name__)
 
 _STRATEGIES = ("hybrid_shard", "hybrid_shard_zero2")
+_DEFAULT_SYSTEMS = ",".join(s.value for s in DEFAULT_SYSTEMS)
 # Options every rank needs, as (dest, flag): the job passes them on to the workers unchanged.
 _PASSED_ON = (("strategy", "--strategy"), ("systems", "--systems"), ("variants", "--variants"),
               ("steps", "--steps"), ("warmup", "--warmup"), ("rounds", "--rounds"), ("d_model", "--d-model"),
@@ -44,7 +46,7 @@ def add_parser(subparsers) -> None:
                                      "docs/performance.md")
     p.add_argument("--strategy", type=str.lower, choices=_STRATEGIES, default="hybrid_shard",
                    help="hybrid_shard (ZeRO-3 in the node, default) or hybrid_shard_zero2")
-    p.add_argument("--systems", default=",".join(s.value for s in DEFAULT_SYSTEMS),
+    p.add_argument("--systems", default=_DEFAULT_SYSTEMS,
                    help="comma-separated, from hybridshard, fsdp1, fsdp2, floor (default: all four)")
     p.add_argument("--variants", default="hybridshard",
                    help="the hybridshard contestants, comma-separated, each hybridshard[:key=value:...] with "
@@ -69,6 +71,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds before the job is stopped, and the process-group timeout (default 1800)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile: every hybridshard variant also runs with compile=True, FSDP2 compiles each block; "
+                        "--systems defaults to hybridshard,fsdp2; compile time, frames, graph breaks and recompiles "
+                        "are reported apart from step times")
     p.add_argument("--worker", action="store_true",
                    help="be one rank of a job already started (torchrun): rank 0 writes the files and prints")
     p.add_argument("--from-job", action="store_true", help=argparse.SUPPRESS)
@@ -92,14 +98,23 @@ def _variants(text: str) -> list[str]:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The :class:`BenchConfig` the options describe; ``ValueError`` names the bad option."""
+    compiled = getattr(args, "compile", False)
+    if compiled and args.systems == _DEFAULT_SYSTEMS:
+        args.systems = f"{System.HYBRIDSHARD.value},{System.FSDP2.value}"
     systems = [System.parse(s) for s in _split(args.systems)]
     variants = [parse_variant(v) for v in _variants(args.variants)] if System.HYBRIDSHARD in systems else []
+    if compiled:  # each variant eager and compiled, side by side
+        listed = {c.name for c in variants}
+        more = [Contestant(c.system, c.options + (("compile", True),))
+                for c in variants if "compile" not in dict(c.options)]
+        variants += [c for c in more if c.name not in listed]
     if System.HYBRIDSHARD in systems and not variants:
         raise ValueError("--variants is empty but --systems lists hybridshard; pass e.g. --variants hybridshard")
     return BenchConfig(
         strategy=args.strategy.upper(), contestants=tuple(contestants(systems, variants)), steps=args.steps,
         warmup=args.warmup, rounds=args.rounds, d_model=args.d_model, layers=args.layers, heads=args.heads,
         seq=args.seq, batch=args.batch, vocab=args.vocab, lr=args.lr, seed=args.seed, timeout_s=args.timeout,
+        compile=compiled,
     )
 
 
@@ -109,7 +124,7 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
         value = getattr(args, dest)
         if value is not None:
             out += [flag, os.path.abspath(value) if dest == "out" else str(value)]
-    return out
+    return out + (["--compile"] if args.compile else [])
 
 
 def _link(args: argparse.Namespace) -> str:

@@ -5,7 +5,8 @@
 - ``layout`` (pure metadata), ``flat_param`` (storage and views), ``unit`` (one unit's states),
   ``changes`` (parameters changed while gathered), ``wrap`` (which modules become units),
   ``strategy`` (strategies and mixed precision).
-- ``engine``: the runtime of one model (hooks, end of backward, ``no_sync``); ``prefetch``.
+- ``engine``: the runtime of one model (hooks, end of backward, ``no_sync``); ``prefetch``; ``compile``
+  (``shard(..., compile=...)``: each block compiled, the hooks outside).
 - The gradient path: ``reduce`` (what is reduced where), ``compression`` (the compressed replicate
   all-reduce), ``grad_norm``, ``grad_scaler`` (fp16 loss scaling agreed over the job).
 - Executors, who issues the collectives: ``executor`` (the choice), ``overlap`` (a communication

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from hybridshard.runtime import agreement, exits, watchdog
 from hybridshard.runtime.deferred_init import DeferredInit, has_meta
+from hybridshard.runtime.compile import compile_units, parse_compile
 from hybridshard.runtime.build import broadcast_from_rank0, build_unit, distinct, rank0_initial_seed, rank0_shard_index
 from hybridshard.runtime.engine import Runtime, holds_sharded_module
 from hybridshard.runtime.executor import resolve_executor
@@ -49,6 +50,7 @@ def shard(
     param_init_fn: Callable[[nn.Module], None] | None = None,
     init_seed: int | None = None,
     shard_optimizer_across_replicas: bool = False,
+    compile: bool | dict[str, Any] = False,
 ) -> nn.Module:
     """Shard ``model`` in place and return it.
 
@@ -110,6 +112,12 @@ def shard(
     slice only, the shard in ``param_dtype``. See [Note: optimizer state sharded across replicas] in
     :mod:`hybridshard.runtime.replica_slices`.
 
+    ``compile=True`` (or a dict of ``torch.compile`` keyword arguments, e.g. ``{"mode": "max-autotune"}``)
+    compiles the forward of each unit whose module holds no other unit (the blocks) after sharding, with the
+    runtime's hooks outside the compiled region; a module that holds other units (the root) stays eager and
+    calls the compiled blocks. ``torch.compile(model)`` of the whole sharded model is not supported. See
+    [Note: compiling units] in :mod:`hybridshard.runtime.compile`.
+
     After ``shard``, ``model.state_dict()`` and ``load_state_dict()`` raise a ``ValueError`` naming
     :func:`hybridshard.full_state_dict` and the other calls that do the job (see [Note: a state dict
     that cannot lie] in :mod:`hybridshard.runtime.state_guard`).
@@ -127,6 +135,7 @@ def shard(
             f"split_frozen must be a fraction between 0 and 1 (of a unit's elements that frozen parameters must "
             f"hold for the unit to be split), or None to split no unit; got {split_frozen!r}"
         )
+    compile_options = parse_compile(compile)
     compressor = None
     if replicate_compression is not None:
         from hybridshard.runtime.compression import ReplicateCompressor, parse_compression
@@ -207,6 +216,8 @@ def shard(
         runtime.replica_slices = SliceSync(units)
     runtime.guard_conversions()
     guard_state_dict(model)
+    if compile_options is not None:
+        compile_units(units, compile_options)
     watchdog.start()
     exits.install()
     if logger.isEnabledFor(logging.INFO):
