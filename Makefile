@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench gpu-check clean
+.PHONY: install demo test bench gpu-check compile-matrix clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 tests
+
+# Every strategy, bf16 and the optimizer across replicas compiled against eager (tests/test_compile.py's
+# matrix; `make test` runs its named subset only, to keep inductor's compile time out of the suite)
+compile-matrix: $(STAMP)
+	HYBRIDSHARD_COMPILE_MATRIX=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_compile.py
 
 # hybridshard vs FSDP1/FSDP2/no-communication floor on 2 simulated nodes x 2 ranks (loopback);
 # e.g. make bench BENCH_ARGS="--strategy hybrid_shard_zero2 --inter-node-bandwidth 1gbit" (shaping needs root)
