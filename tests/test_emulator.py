@@ -194,19 +194,27 @@ STEADY = [
     replace(RM.Config(steps=3), strategy="FULL_SHARD", prefetch=2),
     replace(RM.Config(steps=3), bf16=True, fp16=True, clip=1.0),
     replace(RM.Config(steps=3), shard_optimizer=True, clip=1.0),
+    replace(RM.Config(steps=3), strategy="FULL_SHARD", offload=True, prefetch=2),
+    replace(RM.Config(steps=3), offload=True, micro_steps=2),
 ]
 
 
-@pytest.mark.parametrize("cfg", STEADY, ids=["hybrid", "full-p2", "fp16-scaler-clip", "sliced-clip"])
+@pytest.mark.parametrize("cfg", STEADY, ids=["hybrid", "full-p2", "fp16-scaler-clip", "sliced-clip", "offload-full-p2",
+                                             "offload-hybrid-micro"])
 def test_no_host_sync_in_steady_state_steps(pool4, cfg):
     """From the second step on the runtime makes no host sync but the documented exempt ones (the step
-    check used to make four a step: two torch.tensor(..., device=) and two .tolist())."""
+    check used to make four a step: two torch.tensor(..., device=) and two .tolist(); CPU offload one
+    blocking copy per unit, now one event sync per step)."""
     for rank, got in enumerate(pool4.run(run, replace(cfg, executor="emulate"))):
         assert got["host_syncs"]["hot"] == {}, (rank, got["host_syncs"]["hot"])
         sites = {site for _, _, site in got["host_syncs"]["exempt"]}
-        assert sites <= {"GradScaler.step found_inf", "clip_grad_norm_"}, sites
+        offload = "CPU offload: gradients arrived"
+        assert sites <= {"GradScaler.step found_inf", "clip_grad_norm_", offload}, sites
         if cfg.fp16:
             assert "GradScaler.step found_inf" in sites
+        arrivals = {step: n for (step, _, site), n in got["host_syncs"]["exempt"].items() if site == offload}
+        # one per step with offload, whatever the number of units (and none for a no_sync backward)
+        assert list(arrivals.values()) == ([1, 1] if cfg.offload else []), (rank, arrivals)  # steps 2 and 3
 
 
 # -- where the streams wait -------------------------------------------------------------------------
@@ -292,3 +300,63 @@ def test_recorded_collectives_name_their_stream_and_who_waited(pool4):
         assert all(g[3] == "reduce_scatter" and g[4][0].startswith("all_reduce in unit") for g in scatters), scatters
         checks = [g for g in got if g[0] == "world"]
         assert checks and all(g[3] == "" for g in checks)  # the step check: on the compute stream
+
+
+# -- fault-tolerant mode: the managed all-reduce --------------------------------------------------
+
+def managed_all_reduce_order() -> dict:
+    """A managed all-reduce (torchft's work is gloo's: its ``wait()`` blocks the host) issued in the
+    all-reduce stream's job; when the host waited on it, relative to the job and the compute wait."""
+    import torch.distributed as dist
+
+    from hybridshard.ft.replicate import _ManagedPending
+    from hybridshard.runtime.emulate import EmulatedStreams
+
+    events = []
+
+    class NotedWork:  # gloo's own work, each host wait on it noted
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            events.append("host waited")
+            return self.work.wait()
+
+    streams = EmulatedStreams(torch.device("cpu"))
+    shard = torch.full((4,), float(dist.get_rank() + 1))
+    with streams.side(streams.all_reduce, follow_compute=False):
+        pending = _ManagedPending(NotedWork(dist.all_reduce(shard.detach(), async_op=True)))
+        done = streams.fence(streams.all_reduce, pending)
+    events.append("job issued")
+    done.wait()  # the compute stream, at the end of backward
+    events.append("compute waited")
+    return {"events": events, "shard": shard.tolist()}
+
+
+def test_managed_all_reduce_is_waited_by_the_compute_stream_not_in_the_job(pool2):
+    """[Note: managed replicate all-reduce]: the stream executor used to wait for it inside the
+    all-reduce stream's job (its fence), which on CUDA blocked the host in every unit's backward."""
+    for got in pool2.run(managed_all_reduce_order):
+        assert got["events"] == ["job issued", "host waited", "compute waited"], got["events"]
+        assert got["shard"] == [3.0] * 4
+
+
+def test_fault_tolerance_waits_for_the_quorum_when_the_forward_ends():
+    """Manager.allreduce waits for the step's quorum; the forward hook waits first, once per step."""
+    from hybridshard.ft.replicate import ManagedReplicate
+
+    calls = []
+
+    class Manager:  # the one method of torchft's Manager this reads
+        def wait_quorum(self):
+            calls.append("wait_quorum")
+
+    hook = ManagedReplicate(Manager())
+    model = torch.nn.Linear(2, 2)
+    model.register_forward_hook(hook.quorum_ready)
+    model(torch.ones(2))
+    assert calls == []  # no quorum started: nothing to wait for
+    hook.quorum_started = True
+    model(torch.ones(2))
+    model(torch.ones(2))  # a second micro-batch of the step
+    assert calls == ["wait_quorum"]

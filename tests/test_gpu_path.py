@@ -105,7 +105,10 @@ def test_stream_executor_issue_order_and_results(sweep, index):
         for key, value in b["state"].items():
             assert torch.equal(a["state"][key], value), f"rank {rank}: {key} differs under the emulator"
         assert a["host_syncs"]["hot"] == {}, (rank, a["host_syncs"]["hot"])
-        assert not a["host_syncs"]["exempt"], (rank, a["host_syncs"]["exempt"])
+        exempt = a["host_syncs"]["exempt"]
+        if MATRIX[index].offload:  # the one event sync before the CPU optimizer (see [Note: CPU offload])
+            exempt = {k: v for k, v in exempt.items() if k[2] != "CPU offload: gradients arrived" or v != 1}
+        assert not exempt, (rank, a["host_syncs"]["exempt"])
     # One thread issues everything (on CPU, backward hooks run on the thread that called backward).
     for rank, got in enumerate(streams + emulated):
         issuers = {t for ts in got["threads"].values() for t in ts}

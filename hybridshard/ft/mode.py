@@ -148,6 +148,8 @@ class FaultTolerance:
             init_sync=init_sync,
         )
         runtime.replicate_hook = ManagedReplicate(self.manager)
+        # The quorum is awaited when the forward ends, not inside backward: see [Note: managed replicate all-reduce].
+        self._quorum_hook = model.register_forward_hook(runtime.replicate_hook.quorum_ready)
         self._started = False
         self._had_quorum = False
         self.min_replicas, self.max_failed_steps = min_replicas, max_failed_steps
@@ -160,6 +162,7 @@ class FaultTolerance:
         """Start this step's quorum (it completes while the forward runs). Once per optimizer step,
         before its first forward (``no_sync`` micro-batches included)."""
         self.manager.start_quorum()
+        get_runtime(self.model).replicate_hook.quorum_started = True
         self._started = self._had_quorum = True
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
@@ -275,4 +278,5 @@ class FaultTolerance:
     def shutdown(self) -> None:
         """Stop the manager's servers; the model reduces across nothing after it."""
         get_runtime(self.model).replicate_hook = None
+        self._quorum_hook.remove()
         self.manager.shutdown(wait=False)

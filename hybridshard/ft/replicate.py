@@ -14,6 +14,15 @@ not step on a corrupt gradient and the next quorum leaves the lost peer out.
 The all-reduce is issued from whichever thread reduces the replicate shards (the communication
 thread with ``overlap_grads``, else the hooks' thread), in unit order, like the plain replicate
 group's: one issue order per communicator (see [Note: one issue order per communicator]).
+
+Backward never blocks the host on it. torchft's process group is gloo, whose ``wait()`` blocks
+the host even for CUDA tensors (gloo's threads copy them, sum on the CPU and copy back), so the
+stream executor does not wait for it inside the all-reduce stream's job as it does for NCCL: the
+pending all-reduce is ``host_blocking`` and is waited by the compute stream's wait at the end of
+backward, after every unit was issued (gloo runs them meanwhile; see ``Fence.wait`` in
+:mod:`hybridshard.runtime.streams`). ``Manager.allreduce`` first waits for the step's quorum; the
+quorum is awaited at the end of the forward instead (:meth:`ManagedReplicate.quorum_ready`, from
+the model's forward hook), so inside backward that wait returns at once.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ class _ManagedPending:
     peer failure, whatever the manager left there: ``should_commit`` then answers False)."""
 
     __slots__ = ("_work",)
+    host_blocking = True
+    """gloo's ``wait()`` blocks the host: see [Note: managed replicate all-reduce]."""
 
     def __init__(self, work: Any) -> None:
         self._work = work
@@ -57,6 +68,14 @@ class ManagedReplicate:
 
     def __init__(self, manager: Any) -> None:
         self.manager = manager
+        self.quorum_started = False
+        """Set by ``FaultTolerance.start_step``: a quorum is being computed."""
+
+    def quorum_ready(self, *_: Any) -> None:
+        """At the end of a forward (a forward hook): wait for the step's quorum here, outside backward."""
+        if self.quorum_started:
+            self.quorum_started = False
+            self.manager.wait_quorum()
 
     def all_reduce(self, shard: torch.Tensor, *, stats: CollectiveCounts | None = None,
                    async_op: bool = False) -> _ManagedPending | None:

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from hybridshard.runtime import collectives as C
 from hybridshard.runtime import host_syncs
 from hybridshard.runtime.position import current_where
-from hybridshard.runtime.streams import Fence, StreamSet
+from hybridshard.runtime.streams import Fence, StreamSet, host_blocking
 
 logger = logging.getLogger(__name__)
 
@@ -216,8 +216,11 @@ class EmulatedStreams(StreamSet):
             self.current = previous
 
     def fence(self, stream: Any, pending: Any) -> Fence:
-        (pending if pending is not None else C.DONE).wait()
-        return Fence(event=EmuEvent(stream))
+        pending = pending if pending is not None else C.DONE
+        later = host_blocking(pending)
+        if later is None:
+            pending.wait()
+        return Fence(event=EmuEvent(stream), pending=later)
 
     def defer_collective(self, what: str, run: Callable[[], None], touched: tuple[torch.Tensor, ...],
                          written: tuple[torch.Tensor, ...], issue: Any = None) -> _EmuPending:

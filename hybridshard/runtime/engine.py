@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_map
 from hybridshard.runtime import agreement
 from hybridshard.runtime.counters import CollectiveCounts
 from hybridshard.runtime.executor import ExecutorKind, make_executor
-from hybridshard.runtime.offload import CPUOffload
+from hybridshard.runtime.offload import CPUOffload, arrived
 from hybridshard.runtime.position import where
 from hybridshard.runtime.prefetch import Pass, Prefetcher
 from hybridshard.runtime.reduce import SyncMode
@@ -235,6 +235,7 @@ class Runtime:
         self.executor.abort()
         for unit in self.units:
             unit.abort_backward()
+            unit.flat.drop_arriving()
         self.in_backward = False
         self._callback_queued = False
 
@@ -244,6 +245,11 @@ class Runtime:
                 unit.reduction.reduced(shard, self.sync_mode)
             for unit in reversed(self.units):
                 unit.finish_backward()
+            arriving = [unit.flat for unit in self.units if unit.flat.grad_arriving]
+            if arriving:  # CPU offload: one wait for every copy to host memory; see [Note: CPU offload]
+                arrived(arriving[0].device)
+                for flat in arriving:
+                    flat.land_grad_shard()
             if self.sync_mode is SyncMode.SYNC:
                 self.steps += 1
         finally:

@@ -31,6 +31,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from hybridshard.runtime import host_syncs
 from hybridshard.runtime.layout import FlatLayout
 from hybridshard.runtime.offload import CPUOffload, Staged, place_master, stage
 
@@ -84,6 +85,8 @@ class FlatParam:
         self.offload = offload
         self._staged: Staged | None = None
         """The next all-gather's input, made ahead (offload only; see [Note: CPU offload])."""
+        self._arriving: list[torch.Tensor] = []
+        """Offloaded: reduced gradient shards copied to host memory, not yet added to ``.grad``."""
         self.owned = self.sharded if owned is None else self.sharded[lo:hi]
         """The owned range of the master shard: what the optimizer steps (a view of ``sharded``, or
         the separate master slice)."""
@@ -268,9 +271,34 @@ class FlatParam:
         return flat if viewed else None
 
     def accumulate_grad_shard(self, grad_shard: torch.Tensor) -> None:
-        """Add a reduced gradient shard to each parameter's ``.grad`` (a view of one flat shard)."""
-        # Offloaded: a blocking copy to the CPU, after which the device is done with the master too.
-        grad_shard = grad_shard.to(device=self.sharded.device, dtype=self.grad_dtype)
+        """Add a reduced gradient shard to each parameter's ``.grad`` (a view of one flat shard).
+
+        Offloaded, the shard is only sent on its way to host memory here; :meth:`land_grad_shard`
+        adds it once :func:`~hybridshard.runtime.offload.arrived` ran (see [Note: CPU offload])."""
+        if self.offload is not None:  # into new host memory (pinned on CUDA), not blocking
+            pin = self.offload.pin_memory and grad_shard.is_cuda
+            host = host_syncs.mark_host(torch.empty(grad_shard.shape, dtype=self.grad_dtype, pin_memory=pin))
+            host.copy_(grad_shard, non_blocking=True)
+            self._arriving.append(host)
+            return
+        self._add_grad_shard(grad_shard.to(dtype=self.grad_dtype))
+
+    @property
+    def grad_arriving(self) -> bool:
+        """Offloaded gradient shards were sent to host memory and not added yet."""
+        return bool(self._arriving)
+
+    def land_grad_shard(self) -> None:
+        """Add the offloaded gradient shards sent since the last call (their copies have arrived)."""
+        arriving, self._arriving = self._arriving, []
+        for grad_shard in arriving:
+            self._add_grad_shard(grad_shard)
+
+    def drop_arriving(self) -> None:
+        """After a backward that raised: forget the gradient shards still on their way."""
+        self._arriving = []
+
+    def _add_grad_shard(self, grad_shard: torch.Tensor) -> None:
         current = self._existing_grad_shard()
         if current is not None:
             grad_shard = current.add_(grad_shard)

@@ -9,8 +9,9 @@ stream's ``synchronize()``. On the emulated device (see [Note: emulated device] 
 and every call made from hybridshard's own code is counted under ``(step, phase, site)``; calls
 from elsewhere (the user's ``loss.item()``) are not the runtime's business. Three syncs are known
 and counted apart, as exempt: ``clip_grad_norm_``'s one (it returns a Python float),
-``GradScaler.step``'s ``found_inf.item()`` (torch's own, to decide whether to step) and torchft's
-``should_commit`` round trip. Everything else is a sync in the hot path: the emulator test matrix
+``GradScaler.step``'s ``found_inf.item()`` (torch's own, to decide whether to step), torchft's
+``should_commit`` round trip and, with CPU offload, the one event sync after the gradients' copies
+to host memory (the optimizer steps on the CPU; see [Note: CPU offload]). Everything else is a sync in the hot path: the emulator test matrix
 requires none from the second step on.
 """
 
@@ -30,12 +31,13 @@ from hybridshard.runtime.position import current_where
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXEMPT", "HostCopy", "SyncCounts", "counts", "install", "mark_host", "to_device"]
+__all__ = ["EXEMPT", "HostCopy", "SyncCounts", "count_here", "counts", "install", "mark_host", "to_device"]
 
 EXEMPT = {
     "hybridshard.runtime.grad_norm": "clip_grad_norm_",
     "torch.amp.grad_scaler": "GradScaler.step found_inf",
     "hybridshard.ft.mode": "torchft should_commit",
+    "hybridshard.runtime.offload": "CPU offload: gradients arrived",
 }
 """Calling module -> what the documented exempt sync is."""
 
@@ -126,6 +128,14 @@ class HostCopy:
 
 def counts() -> SyncCounts:
     return _COUNTS
+
+
+def count_here(kind: str) -> None:
+    """Count a sync the caller makes on the emulated device, where the call itself is none (an event
+    it would synchronize on a GPU); nothing unless counting."""
+    caller = _caller()
+    if _INSTALLED and caller is not None:
+        _COUNTS.count(kind, *caller)
 
 
 def _caller() -> tuple[str, str] | None:

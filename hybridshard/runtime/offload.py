@@ -17,9 +17,14 @@ CPU. Only gathered buffers and the gradients in flight use the GPU. The steps ch
   pass. The copy only reads the master, so dropping one still in flight is harmless. A unit with no
   staged copy (the first ones, prefetch off) copies right before its all-gather, on the all-gather
   stream;
-* reduction: unchanged on the GPU; at the end of backward each reduced shard is copied to the CPU
-  into the flat gradient shard the parameters' ``.grad`` view. That copy waits for the device, so
-  every copy out of the master shard has finished before the optimizer steps it on the CPU.
+* reduction: unchanged on the GPU; each reduced shard is then copied into pinned host memory
+  without blocking (``FlatParam.accumulate_grad_shard``), in unit order, on the compute stream.
+  At the end of backward the host waits once, on an event recorded after the last of them (:func:`arrived`), and only then
+  adds them into the flat gradient shards the parameters' ``.grad`` view: the optimizer, which steps
+  on the CPU, never reads a gradient still on its way, and every copy out of the master shard queued
+  before that event has finished too. One sync a step instead of one per unit (a blocking copy
+  each); it is the documented exempt sync of offload on the emulated device (see [Note: counting
+  host syncs] in :mod:`hybridshard.runtime.host_syncs`).
 
 On a CPU device the master is already in CPU memory: offloading changes nothing but when the
 all-gather's input is made (a cast under mixed precision happens when the unit is staged), which is
@@ -34,9 +39,11 @@ from typing import Any, Callable
 
 import torch
 
+from hybridshard.runtime import host_syncs
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["CPUOffload", "Staged", "master_device", "parse_offload", "place_master", "stage"]
+__all__ = ["CPUOffload", "Staged", "arrived", "master_device", "parse_offload", "place_master", "stage"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +116,14 @@ def stage(make: Callable[[], torch.Tensor], versions: tuple[int, ...], stream: A
         event = torch.cuda.Event()
         event.record(stream)
     return Staged(tensor, event, versions)
+
+
+def arrived(device: torch.device) -> None:
+    """The host waits once until every gradient copy to host memory queued on ``device`` has arrived: an
+    event recorded after them, synchronized (counted as offload's exempt sync on the emulated device)."""
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        event.synchronize()
+    else:
+        host_syncs.count_here("Event.synchronize")

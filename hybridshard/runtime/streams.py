@@ -22,7 +22,8 @@ model fixes and every rank shares. Overlap comes from streams, not threads:
 
 A collective issued on a side stream is waited on that stream right away (NCCL's ``wait()`` makes
 the *current* stream wait and returns), and an event recorded after it marks its end: a
-:class:`Fence`. Tensors a side stream reads or writes stay referenced until an event the compute
+:class:`Fence`. One whose ``wait()`` blocks the host (``host_blocking``: fault-tolerant mode's
+gloo all-reduce) is waited by the fence's own ``wait`` instead, where its result is needed. Tensors a side stream reads or writes stay referenced until an event the compute
 stream waited on covers them: the unsharded gradient until the next unit's post-backward hook
 (the compute stream waits on its reduce-scatter event, then lets it go; so at most two unsharded
 gradients are alive on the device, as on CPU), the shards (the first collective's output, which
@@ -50,7 +51,7 @@ from hybridshard.runtime.overlap import Executor, Finish, JobState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Fence", "StreamExecutor", "StreamSet"]
+__all__ = ["Fence", "StreamExecutor", "StreamSet", "host_blocking"]
 
 
 class Fence:
@@ -62,13 +63,26 @@ class Fence:
         self._event, self._pending, self._device = event, pending, device
 
     def wait(self) -> None:
-        """Make the calling stream wait for it (CUDA; the host goes on), or block until it is done (CPU)."""
+        """Make the calling stream wait for it (CUDA; the host goes on), or block until it is done (CPU).
+
+        A collective whose ``wait()`` blocks the host even on CUDA (``host_blocking``: torchft's gloo
+        work) was not waited when issued; it is waited here first, by whoever needs its result (the
+        compute stream at the end of backward), never inside the all-reduce stream's job."""
+        if self._event is not None and self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.wait()
         if self._event is not None and self._device is None:
             self._event.wait_here()  # the emulated device: see hybridshard/runtime/emulate.py
         elif self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
         elif self._pending is not None:
             self._pending.wait()
+
+
+def host_blocking(pending: Any) -> Any:
+    """``pending`` if its ``wait()`` would block the host (see [Note: managed replicate all-reduce]
+    in :mod:`hybridshard.ft.replicate`): it is then waited where its result is needed, not now."""
+    return pending if getattr(pending, "host_blocking", False) else None
 
 
 class StreamSet:
@@ -109,10 +123,12 @@ class StreamSet:
         pending = pending if pending is not None else C.DONE
         if stream is None:
             return Fence(pending=pending)
-        pending.wait()  # NCCL: the side stream waits for the collective; the host goes on
+        later = host_blocking(pending)
+        if later is None:
+            pending.wait()  # NCCL: the side stream waits for the collective; the host goes on
         event = torch.cuda.Event()
         event.record(stream)
-        return Fence(event=event, device=self.device)
+        return Fence(event=event, pending=later, device=self.device)
 
 
 class StreamJob:
