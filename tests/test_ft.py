@@ -443,19 +443,17 @@ def test_local_cluster_host_fault_is_checked():
 
 @pytest.fixture
 def one_rank_model(tmp_path, monkeypatch):
-    """A one-rank job (its own store on a free port) and a small HYBRID_SHARD model in it."""
+    """A one-rank job (its own store, on the port it bound) and a small HYBRID_SHARD model in it."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
 
     import hybridshard as hs
-    from tests.mp import free_port
 
-    port = free_port()
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)  # bound once, port handed on
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RANK": "0", "WORLD_SIZE": "1",
                  "HYBRIDSHARD_NODE_NAME": "node0"}.items():
         monkeypatch.setenv(k, v)
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         torch.manual_seed(0)
