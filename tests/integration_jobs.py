@@ -21,6 +21,8 @@ from tests import hf_models as HF
 
 MICRO, ACCUM, STEPS, LR, CLIP = 2, 2, 4, 0.1, 0.5
 """Per-rank micro-batch, micro-batches per step, steps, SGD learning rate, max gradient norm."""
+ADAMW_LR, WARMUP = 2e-3, 2
+"""The AdamW runs: peak learning rate, and warm-up steps of the linear schedule (then down to 0)."""
 LIT_STEPS = 2
 """Steps per epoch of the Lightning runs (which resume from an epoch's end): the rows of steps 0 and 1."""
 
@@ -43,13 +45,18 @@ class Rows(torch.utils.data.Dataset):
         return {k: v[i] for k, v in self.data.items()}
 
 
-def reference(world: int, blocks: list[int]) -> dict[str, Any]:
+def reference(world: int, blocks: list[int], *, clip: float | None = CLIP, optim: str = "sgd") -> dict[str, Any]:
     """One plain process: for each step, the rows of step ``blocks[i]`` in ``ACCUM`` micro-batches,
-    token-mean loss, clipped SGD."""
+    token-mean loss, SGD clipped at ``clip`` (None: not clipped), or with ``optim="adamw"`` AdamW on
+    the linear schedule with warm-up (:func:`linear_lr`). ``norms``: each step's total gradient norm."""
     model, _ = HF.make_model("llama")
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    if optim == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: linear_lr(step, len(blocks)))
+    else:
+        opt, schedule = torch.optim.SGD(model.parameters(), lr=LR), None
     data, width = rows(world), ACCUM * world * MICRO
-    losses = []
+    losses, norms = [], []
     for step in blocks:
         total = 0.0
         for m in range(ACCUM):
@@ -57,11 +64,21 @@ def reference(world: int, blocks: list[int]) -> dict[str, Any]:
             loss = model(**{k: v[lo : lo + world * MICRO] for k, v in data.items()}).loss / ACCUM
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else float("inf"))))
         opt.step()
+        if schedule is not None:
+            schedule.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "norms": norms, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def linear_lr(step: int, steps: int) -> float:
+    """The factor of step ``step`` (0-based) on a linear schedule: up over ``WARMUP`` steps, then down
+    to 0 at ``steps`` (written here from its definition, not taken from transformers)."""
+    if step < WARMUP:
+        return step / WARMUP
+    return max(0.0, (steps - step) / (steps - WARMUP))
 
 
 def logits_of(model: torch.nn.Module) -> torch.Tensor:
@@ -73,47 +90,58 @@ def logits_of(model: torch.nn.Module) -> torch.Tensor:
 # Hugging Face Trainer
 
 
-def _hf_args(out: str, steps: int, save_steps: int | None) -> Any:
+def _hf_args(out: str, steps: int, save_steps: int | None, optim: str) -> Any:
     from transformers import TrainingArguments
 
+    if optim == "adamw":  # unclipped (the norm is still logged), on a schedule that changes every step
+        rule = dict(learning_rate=ADAMW_LR, optim="adamw_torch", lr_scheduler_type="linear", warmup_steps=WARMUP,
+                    max_grad_norm=0.0)
+    else:
+        rule = dict(learning_rate=LR, optim="sgd", lr_scheduler_type="constant", max_grad_norm=CLIP)
     return TrainingArguments(
         output_dir=out, max_steps=steps, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM,
-        learning_rate=LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=CLIP,
-        train_sampling_strategy="sequential", logging_steps=1, report_to=[], disable_tqdm=True,
+        weight_decay=0.0, train_sampling_strategy="sequential", logging_steps=1, report_to=[], disable_tqdm=True,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, use_cpu=True,
-        dataloader_num_workers=0, seed=0,
+        dataloader_num_workers=0, seed=0, **rule,
     )
 
 
-def _hf_losses(trainer: Any) -> list[float]:
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+def _hf_losses(trainer: Any, key: str = "loss") -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h]
 
 
-def hf_train(strategy: str, out: str) -> dict[str, Any]:
+def hf_train(strategy: str, out: str, optim: str = "sgd") -> dict[str, Any]:
     """Train ``STEPS`` steps saving a checkpoint at step 2, export with ``save_model``; then resume a fresh
-    trainer from that checkpoint (the second half's losses, final state); and the errors of bad input."""
+    trainer from that checkpoint (the second half's losses, final state). ``optim``: "sgd" (clipped,
+    constant rate; also resumed from a checkpoint holding only the export) or "adamw" (unclipped, linear
+    schedule with warm-up: the resume must restore both moments and the schedule's step)."""
     import hybridshard as hs
     from hybridshard.integrations.hf import CHECKPOINT_DIR, HybridShardTrainer
     from tests import runtime_models as RM
 
     world = torch.distributed.get_world_size()
     model, _ = HF.make_model("llama")
-    trainer = HybridShardTrainer(model=model, args=_hf_args(out, STEPS, save_steps=2), train_dataset=Rows(world),
-                                 strategy=strategy, groups=RM.groups())
+    trainer = HybridShardTrainer(model=model, args=_hf_args(out, STEPS, save_steps=2, optim=optim),
+                                 train_dataset=Rows(world), strategy=strategy, groups=RM.groups())
     trainer.train()
     result: dict[str, Any] = {
         "losses": _hf_losses(trainer), "state": hs.full_state_dict(model), "logits": logits_of(model),
+        "grad_norms": _hf_losses(trainer, "grad_norm"), "learning_rates": _hf_losses(trainer, "learning_rate"),
         "ddp": type(trainer.model_wrapped).__name__, "units": len(model._hybridshard_runtime.units),
     }
     trainer.save_model(out)
     result["checkpoints"] = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))
 
     model, _ = HF.make_model("llama", seed=1)  # other weights: the resume must replace them
-    resumed = HybridShardTrainer(model=model, args=_hf_args(out, STEPS, save_steps=None), train_dataset=Rows(world),
-                                 strategy=strategy, groups=RM.groups())
+    resumed = HybridShardTrainer(model=model, args=_hf_args(out, STEPS, save_steps=None, optim=optim),
+                                 train_dataset=Rows(world), strategy=strategy, groups=RM.groups())
     resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
     result["resumed_losses"] = _hf_losses(resumed)
+    result["resumed_grad_norms"] = _hf_losses(resumed, "grad_norm")
+    result["resumed_learning_rates"] = _hf_losses(resumed, "learning_rate")
     result["resumed_state"] = hs.full_state_dict(model)
+    if optim != "sgd":
+        return result
 
     # A checkpoint without hybridshard/ (as save_only_model=True writes it): the weights come from the export.
     # Plain SGD keeps no optimizer state, so the run must still continue exactly.
@@ -122,7 +150,7 @@ def hf_train(strategy: str, out: str) -> dict[str, Any]:
         shutil.copytree(os.path.join(out, "checkpoint-2"), only, ignore=shutil.ignore_patterns(CHECKPOINT_DIR))
     torch.distributed.barrier()
     model, _ = HF.make_model("llama", seed=1)
-    HybridShardTrainer(model=model, args=_hf_args(out, STEPS, save_steps=None), train_dataset=Rows(world),
+    HybridShardTrainer(model=model, args=_hf_args(out, STEPS, save_steps=None, optim=optim), train_dataset=Rows(world),
                        strategy=strategy, groups=RM.groups()).train(resume_from_checkpoint=only)
     result["model_only_state"] = hs.full_state_dict(model)
     return result
@@ -191,10 +219,11 @@ def _step_losses(micro_losses: list[float]) -> list[float]:
     return (t / torch.distributed.get_world_size()).reshape(-1, ACCUM).mean(dim=1).tolist()
 
 
-def lightning_train(strategy: str, out: str, epochs: int = 2) -> dict[str, Any]:
+def lightning_train(strategy: str, out: str, epochs: int = 2, clip: float | None = CLIP) -> dict[str, Any]:
     """``Trainer.fit`` for ``epochs`` epochs of ``LIT_STEPS`` steps each, a checkpoint per epoch; then a fresh
     module (other weights) resumed from the first epoch's checkpoint. ``strategy``: a registered name
-    (``"hybridshard"``), or ``"instance:<sharding strategy>"`` for a ``HybridShardStrategy`` object."""
+    (``"hybridshard"``), or ``"instance:<sharding strategy>"`` for a ``HybridShardStrategy`` object.
+    ``clip``: ``gradient_clip_val`` (None: unclipped SGD, where a gradient off by a constant factor shows)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -214,7 +243,7 @@ def lightning_train(strategy: str, out: str, epochs: int = 2) -> dict[str, Any]:
         chosen: Any = strategy
         if strategy.startswith("instance:"):
             chosen = HybridShardStrategy(sharding_strategy=strategy.split(":")[1], groups=RM.groups())
-        settings = {"accumulate_grad_batches": ACCUM, "gradient_clip_val": CLIP, **overrides}
+        settings = {"accumulate_grad_batches": ACCUM, "gradient_clip_val": clip, **overrides}
         trainer = L.Trainer(
             strategy=chosen, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
             num_nodes=world // int(os.environ["LOCAL_WORLD_SIZE"]), max_epochs=epochs, logger=False,
@@ -274,7 +303,7 @@ def fabric_train(out: str) -> dict[str, Any]:
         state = {"model": model, "optimizer": optimizer, "step": 0}
         if resume:
             fabric.load(path, state)
-        micro_losses = []
+        micro_losses, norms = [], []
         for step in range(state["step"], STEPS):
             for m in range(ACCUM):
                 lo = step * width + m * world * MICRO + fabric.global_rank * MICRO
@@ -282,16 +311,16 @@ def fabric_train(out: str) -> dict[str, Any]:
                     loss = model(**{k: v[lo : lo + MICRO] for k, v in data.items()}).loss
                     fabric.backward(loss / ACCUM)
                 micro_losses.append(loss.item())
-            fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=CLIP)))
             optimizer.step()
             optimizer.zero_grad()
             state["step"] = step + 1
             if state["step"] == 2 and not resume:
                 fabric.save(path, state)
-        return _step_losses(micro_losses), sharded_module(model)
+        return _step_losses(micro_losses), norms, sharded_module(model)
 
-    losses, model = run(seed=0, resume=False)
-    resumed_losses, resumed = run(seed=1, resume=True)
+    losses, norms, model = run(seed=0, resume=False)
+    resumed_losses, resumed_norms, resumed = run(seed=1, resume=True)
     before = hs.full_state_dict(resumed)
     try:  # a state naming an entry the checkpoint lacks: refused, the model unchanged
         fabric.load(path, {"model": resumed, "step": 0, "epoch": 0})
@@ -300,6 +329,7 @@ def fabric_train(out: str) -> dict[str, Any]:
         unknown = str(e).splitlines()[0]
     after = hs.full_state_dict(resumed)
     unknown += f" | unchanged={all(torch.equal(before[k], after[k]) for k in before)}"
-    return {"losses": losses, "state": hs.full_state_dict(model), "resumed_losses": resumed_losses,
+    return {"losses": losses, "norms": norms, "resumed_norms": resumed_norms,
+            "state": hs.full_state_dict(model), "resumed_losses": resumed_losses,
             "resumed_state": hs.full_state_dict(resumed), "strategy": type(fabric.strategy).__name__,
             "units": len(model._hybridshard_runtime.units), "unknown_entry": unknown}

@@ -197,9 +197,10 @@ def run_rank_processes(
 
     import torch.distributed as dist
 
-    port = free_port()
-    # This process hosts the job's store, as torchrun's agent does, so it outlives any rank.
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
+    # This process hosts the job's store, as torchrun's agent does, so it outlives any rank; on a port
+    # it binds itself (0: the kernel's choice), handed to the ranks, so no other process can take it first.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     per_node = world_size // num_nodes
     procs = []
     start = time.monotonic()

@@ -143,7 +143,10 @@ def expected_counts(cfg: Config) -> dict[tuple[str, str], int]:
     """Collectives per step of forward + backward, from each unit's strategy.
 
     Gathers per forward+backward: a ZeRO-3 block twice, a ZeRO-2 block and the root once (the root
-    stays gathered from forward into backward), NO_SHARD never. Reductions happen once per unit on
+    stays gathered from forward into backward), NO_SHARD never. Non-reentrant checkpointing
+    recomputes inside the backward's gather, so it adds none; a reentrant one runs the block's
+    forward under ``no_grad``, which frees every unit after it, so every block gathers twice.
+    Reductions happen once per unit on
     the syncing backward (and per micro-batch for the shard-group reduce-scatter with
     ``reduce_scatter_micro``). Hybrid units use the "shard"/"replicate" groups, the others "world"."""
     from hybridshard.runtime.strategy import ShardingStrategy
@@ -156,7 +159,8 @@ def expected_counts(cfg: Config) -> dict[tuple[str, str], int]:
             out[("all_reduce", "world")] += 1
             continue
         shard = "shard" if s.is_hybrid else "world"
-        out[("all_gather", shard)] += micro * (2 if s.reshard_after_forward and i > 0 else 1)
+        twice = (s.reshard_after_forward or cfg.checkpoint == "reentrant") and i > 0
+        out[("all_gather", shard)] += micro * (2 if twice else 1)
         out[("reduce_scatter", shard)] += micro if cfg.reduce_scatter_micro else 1
         if s.is_hybrid:  # the optimizer step's all-gather across replicas comes after the counted block
             out[("reduce_scatter" if cfg.shard_optimizer else "all_reduce", "replicate")] += 1

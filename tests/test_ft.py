@@ -20,6 +20,91 @@ from tests.ft.cluster import Group, wait_for
 pytestmark = pytest.mark.multiprocess
 
 
+SGD_ARGS = ["--optimizer", "sgd", "--clip", "1e6"]
+"""Momentum SGD and a clip that never binds: a gradient off by a constant factor (a sum instead of the
+mean over groups, a healing group counted) changes the parameters and the logged norm."""
+BATCH = 8  # the worker's --batch
+
+
+def _committed(*lives: list[dict]) -> list[dict]:
+    """The committed steps in order, each once, from the logs of several groups (a group that joined
+    late, or healed, holds only the steps from then on)."""
+    by_step: dict[int, dict] = {}
+    for records in lives:
+        for r in records:
+            if r["committed"]:
+                by_step.setdefault(r["step"], r)
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _replay(history: list[dict]) -> tuple[dict[int, dict], dict]:
+    """One plain process over the committed steps of ``history`` (from :func:`_committed`): each
+    step's gradient is the mean over its ``replicas`` live groups of the MSE gradient on group ``r``'s
+    samples (the batch after ``batches + r`` batches), then a momentum-SGD update written out here.
+    Returns, per step, every group's loss and the norm of the mean gradient; and the final parameters."""
+    import torch
+
+    from tests.ft import worker as W
+
+    model, x, y = W.model_and_data(seed=0)
+    params = list(model.parameters())
+    velocity = [torch.zeros_like(p) for p in params]
+    per_step = {}
+    for rec in history:
+        n, done = rec["replicas"], rec["batches"]
+        mean = [torch.zeros_like(p) for p in params]
+        losses = []
+        for r in range(n):
+            index = torch.tensor([((done + r) * BATCH + i) % x.shape[0] for i in range(BATCH)])
+            loss = torch.nn.functional.mse_loss(model(x[index]), y[index])
+            for m, g in zip(mean, torch.autograd.grad(loss, params)):
+                m += g
+            losses.append(loss.item())
+        with torch.no_grad():
+            for p, v, m in zip(params, velocity, mean):
+                m /= n
+                v.mul_(W.SGD_MOMENTUM).add_(m)
+                p.sub_(W.SGD_LR * v)
+        per_step[rec["step"]] = {"losses": losses, "norm": math.sqrt(sum(float((m * m).sum()) for m in mean)),
+                                 "batches": done, "replicas": n}
+    return per_step, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _check_accounting(history: list[dict], lives: list[list[dict]]) -> None:
+    """Committed steps (``history``) count up by one from the first and each takes the batches after
+    the previous step's: every sample once. In each process's records (``lives``), a step that did
+    not commit is retried on the same samples."""
+    assert history and history[0]["step"] == 1 and history[0]["batches"] == 0, history[:1]
+    for before, after in zip(history, history[1:]):
+        assert after["step"] == before["step"] + 1, (before, after)
+        assert after["batches"] == before["batches"] + before["replicas"], (before, after)
+    for records in lives:
+        for before, after in zip(records, records[1:]):
+            if not before["committed"] and before["participant"] is not None:
+                assert after["batches"] == before["batches"], (before, after)
+
+
+def _check_against_reference(per_step: dict, final: dict, lives: list[list[dict]], logs: list[str], *,
+                             tol: float = 1e-6) -> None:
+    """The committed steps of each process's records (``lives``, only those in the history) against the
+    replay: the same samples and groups, this group's loss (so the parameters before the step), the
+    norm of the averaged gradient; and each group's final parameters (the ``.state.pt`` of ``logs``)."""
+    import torch
+
+    for records in lives:
+        for rec in (r for r in records if r["committed"] and r["step"] in per_step):
+            ref = per_step[rec["step"]]
+            assert (rec["batches"], rec["replicas"]) == (ref["batches"], ref["replicas"]), (rec, ref)
+            if rec["participant"] is not None:  # a healing group computes on borrowed samples, not counted
+                assert abs(rec["loss"] - ref["losses"][rec["participant"]]) <= tol, (rec, ref)
+            assert abs(rec["grad_norm"] - ref["norm"]) <= tol * max(1.0, ref["norm"]), (rec, ref)
+    for path in logs:
+        state = torch.load(path + ".state.pt")
+        assert set(state) == set(final), (sorted(state), sorted(final))
+        for key, value in final.items():
+            torch.testing.assert_close(state[key], value, atol=tol, rtol=0, msg=lambda m: f"{path} {key}: {m}")
+
+
 def _lighthouse():
     # A lost group stops heartbeating: after 1 s it is dead and a quorum forms without it.
     return torchft_lighthouse.LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000,
@@ -121,11 +206,14 @@ def test_lost_replica_group_others_continue_then_it_heals(tmp_path):
     commit steps with 2 replicas after the kill; the restarted group 2 starts far past the step it
     died at (it healed from a live group), and every rank's master shards and optimizer state end
     bitwise equal to the same shard rank's in every group, which ``check_replicas`` confirms for 3.
+    Against arithmetic (momentum SGD, unclipped): every committed step took the samples after the
+    previous one's, and its losses, gradient norm and the final parameters equal a plain replay in
+    which each step's gradient is the mean over that step's live groups (to 1e-6).
     """
     from hybridshard.launcher.netns import check_rights
 
     stop_file = tmp_path / "stop"
-    args = ["--stop-file", str(stop_file), "--until-replicas", "3", "--sleep", "0.05", "--timeout", "5"]
+    args = ["--stop-file", str(stop_file), "--until-replicas", "3", "--sleep", "0.05", "--timeout", "5", *SGD_ARGS]
     form = _loopback_kill_and_heal if check_rights() is not None else _namespace_kill_and_heal
     logs, killed_at = form(tmp_path, args, stop_file)
     for (replica, rank), path in logs.items():
@@ -150,6 +238,13 @@ def test_lost_replica_group_others_continue_then_it_heals(tmp_path):
         assert len({d["step"] for d in done}) == 1 and done[0]["step"] > killed_at, done
         assert all(d["compared"] == 3 and d["loss_finite"] for d in done), done
         assert len({d["digest"] for d in done}) == 1, f"shard rank {rank} differs across replica groups: {done}"
+    # Against arithmetic, over the committed steps of every group (one may have started alone).
+    lives = [_read(logs[(replica, 0)]) for replica in range(3)]
+    history = _committed(*lives)
+    _check_accounting(history, lives)
+    assert any(r["replicas"] == 2 for r in history) and any(r["replicas"] == 3 for r in history)
+    per_step, final = _replay(history)
+    _check_against_reference(per_step, final, lives, [logs[(replica, 0)] for replica in range(3)])
 
 
 def test_missing_torchft_names_the_extra(monkeypatch):
@@ -230,12 +325,14 @@ def test_launch_restarts_a_lost_nodes_workers_alone(tmp_path):
 
 
 def test_every_replica_lost_resumes_from_the_last_checkpoint(tmp_path):
-    """2 replica groups x 1 rank save a checkpoint every 3 steps; both are killed, then started again:
-    they resume at the checkpoint's step (no live replica to heal from) and end bitwise equal."""
+    """2 replica groups x 1 rank save a checkpoint every 3 steps; both are killed, then started again
+    from other initial weights (one seed per group): they resume at the checkpoint's step (no live
+    replica to heal from), end bitwise equal, and equal a plain replay of the committed steps up to the
+    checkpoint and after it, so weights and momentum came from the checkpoint."""
     lighthouse = _lighthouse()
     groups = [Group(i, 1, str(tmp_path)) for i in range(2)]
     args = ["--stop-file", str(tmp_path / "stop"), "--until-replicas", "2", "--sleep", "0.05", "--timeout", "5",
-            "--ckpt", str(tmp_path / "ckpt"), "--save-every", "3"]
+            "--ckpt", str(tmp_path / "ckpt"), "--save-every", "3", *SGD_ARGS]
     try:
         for g in groups:
             g.start(lighthouse.address(), args)
@@ -249,7 +346,7 @@ def test_every_replica_lost_resumes_from_the_last_checkpoint(tmp_path):
         assert saved, "no checkpoint was saved before the kill"
         saved_step = int(saved[-1].split("_")[1])
         for g in groups:
-            g.start(lighthouse.address(), args)
+            g.start(lighthouse.address(), [*args, "--init-seed", str(1 + g.replica)])
         wait_for(lambda: all(any(r["pid"] == g.procs[0].pid and r["replicas"] == 2 for r in g.records())
                              for g in groups), 120, "both groups back in a step together", groups)
         _stop_soon(tmp_path / "stop", [g.log(0) for g in groups])
@@ -269,6 +366,19 @@ def test_every_replica_lost_resumes_from_the_last_checkpoint(tmp_path):
     assert saved_step + 1 <= min(firsts) <= saved_step + 4, (saved_step, firsts)
     done = [_done(g, 0) for g in groups]
     assert done[0]["digest"] == done[1]["digest"], done
+    # The committed history: the first lives' steps up to the one the second lives resumed at, then theirs.
+    lives = [g.records() for g in groups]
+    first_lives = [[r for r in records if r["pid"] == first_life[g.replica]] for g, records in zip(groups, lives)]
+    second_lives = [[r for r in records if r["pid"] != first_life[g.replica]] for g, records in zip(groups, lives)]
+    later = _committed(*second_lives)
+    resumed_at = later[0]["step"] - 1
+    earlier = [r for r in _committed(*first_lives) if r["step"] <= resumed_at]
+    history = earlier + later
+    _check_accounting(history, first_lives + second_lives)
+    per_step, final = _replay(history)
+    # A first life's steps after the checkpoint were lost with it: only the second lives' are checked there.
+    kept = [[r for r in life if r["step"] <= resumed_at] for life in first_lives] + second_lives
+    _check_against_reference(per_step, final, kept, [g.log(0) for g in groups])
 
 
 def test_too_few_replicas_stop_with_a_clear_error(tmp_path):
@@ -333,19 +443,17 @@ def test_local_cluster_host_fault_is_checked():
 
 @pytest.fixture
 def one_rank_model(tmp_path, monkeypatch):
-    """A one-rank job (its own store on a free port) and a small HYBRID_SHARD model in it."""
+    """A one-rank job (its own store, on the port it bound) and a small HYBRID_SHARD model in it."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
 
     import hybridshard as hs
-    from tests.mp import free_port
 
-    port = free_port()
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)  # bound once, port handed on
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RANK": "0", "WORLD_SIZE": "1",
                  "HYBRIDSHARD_NODE_NAME": "node0"}.items():
         monkeypatch.setenv(k, v)
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         torch.manual_seed(0)

@@ -2,9 +2,13 @@
 ``Trainer`` (``HybridShardStrategy``) and Fabric (``HybridShardFabricStrategy``) on 2 simulated nodes x 2 ranks, with the tiny Llama of
 tests/hf_models.py built from a config, against one plain process on the same rows.
 
-Every run accumulates gradients over 2 micro-batches and clips at a norm its gradients exceed; a
-checkpoint taken half-way is resumed by a fresh trainer whose model starts from other weights. One
-pool runs every job (tests/integration_jobs.py).
+Every run accumulates gradients over 2 micro-batches; a checkpoint taken half-way is resumed by a
+fresh trainer whose model starts from other weights. A clip at a norm the gradients exceed, or AdamW,
+gives the same update for a gradient off by a constant factor (summed over ranks or micro-batches
+instead of averaged), so in each library one run sees the scale: the gradient norm the system reports
+is compared with the reference's (HF Trainer's logged ``grad_norm``, Fabric's ``clip_gradients``), and
+one run trains unclipped (Lightning's SGD; HF's AdamW on a linear schedule with warm-up, whose resume
+must restore both moments and the schedule). One pool runs every job (tests/integration_jobs.py).
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ pytestmark = pytest.mark.multiprocess
 WORLD = 4
 TOL = 1e-5
 HF_STRATEGIES = ("HYBRID_SHARD", "FULL_SHARD")
+HF_OPTIM = {"HYBRID_SHARD": "sgd", "FULL_SHARD": "adamw"}
+"""HF runs: clipped SGD at a constant rate, and unclipped AdamW on a linear schedule."""
 LIGHTNING_RUNS = ("hybridshard", "instance:FULL_SHARD")
 """Lightning runs: the registered name (HYBRID_SHARD), and a HybridShardStrategy(sharding_strategy="FULL_SHARD")."""
+LIGHTNING_CLIP = {"hybridshard": J.CLIP, "instance:FULL_SHARD": None}
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +45,11 @@ def runs(tmp_path_factory):
     with RankPool(WORLD, num_nodes=2, layout="block", timeout=240) as pool:
         for s in HF_STRATEGIES:
             out["dirs"][s] = str(root / f"hf-{s}")
-            out[s] = pool.run(J.hf_train, s, out["dirs"][s])
+            out[s] = pool.run(J.hf_train, s, out["dirs"][s], HF_OPTIM[s])
         out["hf_errors"] = pool.run(J.hf_errors, str(root / "hf-errors"))[0]
         for name in LIGHTNING_RUNS:
             out["dirs"][name] = str(root / f"lightning-{name.replace(':', '-')}")
-            out[name] = pool.run(J.lightning_train, name, out["dirs"][name])
+            out[name] = pool.run(J.lightning_train, name, out["dirs"][name], clip=LIGHTNING_CLIP[name])
         out["dirs"]["fabric"] = str(root / "fabric")
         out["fabric"] = pool.run(J.fabric_train, out["dirs"]["fabric"])
     return out
@@ -50,9 +57,10 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
+    steps, epochs = list(range(J.STEPS)), [0, 1] * (J.STEPS // 2)
     with RM.single_thread():
-        return {"hf": J.reference(WORLD, list(range(J.STEPS))),
-                "lightning": J.reference(WORLD, [0, 1] * (J.STEPS // 2))}
+        return {"sgd": J.reference(WORLD, steps), "adamw": J.reference(WORLD, steps, clip=None, optim="adamw"),
+                "hybridshard": J.reference(WORLD, epochs), "instance:FULL_SHARD": J.reference(WORLD, epochs, clip=None)}
 
 
 def _max_diff(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -60,10 +68,12 @@ def _max_diff(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> f
     return max((state[k] - ref[k]).abs().max().item() for k in ref)
 
 
-def _check_parity(losses: list[float], state: dict[str, torch.Tensor], ref: dict) -> None:
+def _check_parity(losses: list[float], state: dict[str, torch.Tensor], ref: dict, norms: list[float] | None = None) -> None:
     assert losses == pytest.approx(ref["losses"], abs=TOL)
     assert _max_diff(state, ref["state"]) <= TOL
     assert losses[-1] < losses[0]  # it trains
+    if norms is not None:  # the total gradient norm before clipping, as the system reports it
+        assert norms == pytest.approx(ref["norms"], rel=TOL, abs=TOL)
 
 
 # Hugging Face Trainer
@@ -71,21 +81,28 @@ def _check_parity(losses: list[float], state: dict[str, torch.Tensor], ref: dict
 
 @pytest.mark.parametrize("strategy", HF_STRATEGIES)
 def test_hf_trainer_matches_one_process(runs, reference, strategy):
-    ref = reference["hf"]
+    ref = reference[HF_OPTIM[strategy]]
     for rank, r in enumerate(runs[strategy]):
-        _check_parity(r["losses"], r["state"], ref)
+        _check_parity(r["losses"], r["state"], ref, norms=r["grad_norms"])
         assert r["ddp"] == "LlamaForCausalLM", f"rank {rank}: the Trainer wrapped the model in {r['ddp']}"
         assert r["units"] == 3  # two decoder layers (the default: _no_split_modules) and the root
 
 
-def test_hf_clipping_is_on():
-    """The clip threshold is below the gradient norm of every step, so the parity above covers clipping."""
+def test_hf_clipping_is_on(reference):
+    """The clip threshold is below the gradient norm of every step, so the SGD run's parity covers clipping."""
     model, _ = HF.make_model("llama")
     data = J.rows(WORLD)
     width = J.ACCUM * WORLD * J.MICRO
     loss = model(**{k: v[:width] for k, v in data.items()}).loss
     loss.backward()
     assert torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")) > 1.5 * J.CLIP
+    assert min(reference["sgd"]["norms"]) > J.CLIP
+
+
+def test_adamw_schedule_changes_across_the_resume():
+    """The AdamW runs' rates differ before and after the checkpoint at step 2, and on the two steps after it."""
+    rates = [J.linear_lr(step, J.STEPS) for step in range(J.STEPS)]
+    assert rates == [0.0, 0.5, 1.0, 0.5]
 
 
 @pytest.mark.parametrize("strategy", HF_STRATEGIES)
@@ -106,13 +123,17 @@ def test_hf_save_model_loads_with_from_pretrained(runs, strategy):
 
 @pytest.mark.parametrize("strategy", HF_STRATEGIES)
 def test_hf_resume_continues_with_the_same_losses(runs, reference, strategy):
-    ref = reference["hf"]
+    ref = reference[HF_OPTIM[strategy]]
     for r in runs[strategy]:
         # The log of a resumed run starts with the checkpoint's own steps; the rest it trained itself.
         assert r["resumed_losses"] == pytest.approx(ref["losses"], abs=TOL)
+        assert r["resumed_grad_norms"] == pytest.approx(ref["norms"], rel=TOL, abs=TOL)
+        assert r["resumed_learning_rates"] == r["learning_rates"]  # the schedule went on from its step
         assert _max_diff(r["resumed_state"], ref["state"]) <= TOL
-        # From a checkpoint holding only the export (save_only_model): weights through hs.load_pretrained.
-        assert _max_diff(r["model_only_state"], ref["state"]) <= TOL
+        if HF_OPTIM[strategy] == "sgd":
+            # From a checkpoint holding only the export (save_only_model): weights through hs.load_pretrained.
+            # Plain SGD keeps no optimizer state, so only this run can continue exactly from the weights.
+            assert _max_diff(r["model_only_state"], ref["state"]) <= TOL
 
 
 def test_hf_refuses_what_it_cannot_keep(runs):
@@ -129,14 +150,14 @@ def test_hf_refuses_what_it_cannot_keep(runs):
 @pytest.mark.parametrize("run", LIGHTNING_RUNS)
 def test_lightning_fit_matches_one_process(runs, reference, run):
     for r in runs[run]:
-        _check_parity(r["losses"], r["state"], reference["lightning"])
+        _check_parity(r["losses"], r["state"], reference[run])
         assert r["strategy"] == "HybridShardStrategy" and r["global_step"] == J.STEPS
         assert r["units"] == 3
 
 
 @pytest.mark.parametrize("run", LIGHTNING_RUNS)
 def test_lightning_resume_continues_with_the_same_losses(runs, reference, run):
-    ref = reference["lightning"]
+    ref = reference[run]
     ckpts = runs[run][0]["checkpoints"]
     assert ckpts == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
     manifest = json.load(open(os.path.join(runs["dirs"][run], ckpts[0], "hybridshard.json")))
@@ -201,9 +222,10 @@ def test_lightning_refuses_other_precisions():
 
 
 def test_fabric_matches_one_process_and_resumes(runs, reference):
-    ref = reference["hf"]  # the same rows in the same steps
+    ref = reference["sgd"]  # the same rows in the same steps
     for r in runs["fabric"]:
-        _check_parity(r["losses"], r["state"], ref)
+        _check_parity(r["losses"], r["state"], ref, norms=r["norms"])
+        assert r["resumed_norms"] == pytest.approx(ref["norms"][2:], rel=TOL, abs=TOL)
         assert r["strategy"] == "HybridShardFabricStrategy" and r["units"] == 3
         assert r["resumed_losses"] == pytest.approx(ref["losses"][2:], abs=TOL)
         assert _max_diff(r["resumed_state"], ref["state"]) <= TOL

@@ -32,6 +32,24 @@ INITS = [(k, s) for k in KINDS for s in ("HYBRID_SHARD", "FULL_SHARD", "NO_SHARD
 MEMORY = ("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD")
 
 
+def _seeded_reference(kind: str, seed: int) -> torch.nn.Module:
+    """The documented init rule, written out on a model built for real: every module, children before
+    parents (``nn.Module.apply``'s order), is initialised by ``_init_weights`` right after the generator
+    is seeded with ``(seed * 1_000_003 + crc32(name)) % 2**63``, ``name`` its qualified name."""
+    import zlib
+
+    model, _ = HF.make_model(kind)
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def init(module: torch.nn.Module) -> None:
+        torch.manual_seed((seed * 1_000_003 + zlib.crc32(names[id(module)].encode())) % (1 << 63))
+        model._init_weights(module)
+
+    with torch.no_grad():
+        model.apply(init)
+    return model
+
+
 def _from_pretrained(path: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -84,17 +102,25 @@ def test_meta_init_is_the_same_model_on_any_topology(block, index):
     with torch.device("meta"):
         plain, _ = HF.make_model(kind)
     hs.materialize(plain, param_init_fn=plain._init_weights, init_seed=J.SEED)
-    ref = plain.state_dict()
+    ref = {k: v for k, v in _seeded_reference(kind, J.SEED).state_dict().items()}
+    other = _seeded_reference(kind, J.SEED + 1).state_dict()
     buffers = dict(plain.named_buffers())
     real, _ = HF.make_model(kind)
     for name, value in real.named_buffers():  # rotary frequencies: what a model built for real holds
         assert torch.equal(buffers[name], value), name
+    # materialize and every rank's shards against the rule written out, every entry.
+    assert set(plain.state_dict()) == set(ref)
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, ref[key]), f"{kind} materialize: {key}"
     for rank, got in enumerate(block["init"]):
         state = got[index]
         assert set(state) == set(ref)
         for key, value in ref.items():
             assert torch.equal(state[key], value), f"{kind} {strategy} rank {rank}: {key}"
-    assert ref[next(k for k in ref if k.endswith("mlp.c_fc.weight" if kind == "gpt2" else "mlp.up_proj.weight"))].std() > 0
+    # The seed reaches every random entry: another seed changes each one that is not a constant fill.
+    for key, value in ref.items():
+        if value.numel() > 1 and value.unique().numel() > 1:
+            assert not torch.equal(value, other[key]), key
 
 
 @pytest.mark.parametrize("index", range(len(LOADS)), ids=[f"{k}-{s}" for k, s in LOADS])

@@ -1,7 +1,8 @@
 """DeviceMesh in and out: FSDP2 on ``init_groups().mesh``, and ``hybridshard.shard(mesh=...)``.
 
 4 ranks on 2 simulated nodes, in block and cyclic rank order. Every training run is checked
-against the single-process reference (losses and parameters), and against each other:
+against the single-process reference (losses and parameters; in the SGD run, whose update shows a
+gradient off by a constant factor, the gradient norms too), and against each other:
 
 - out: PyTorch FSDP2 ``fully_shard(module, mesh=groups.mesh)`` (HSDP on the 2-D mesh that
   ``init_groups`` built from the discovered topology) trains like hybridshard's HYBRID_SHARD;
@@ -22,18 +23,22 @@ pytestmark = pytest.mark.multiprocess
 WORLD = 4
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 BF16_TOL = dict(atol=2e-3, rtol=2e-3)
-CONFIGS = {"fp32": RM.Config(steps=4), "bf16": RM.Config(steps=4, bf16=True)}
+CONFIGS = {"fp32": RM.Config(steps=4), "bf16": RM.Config(steps=4, bf16=True),
+           # SGD (momentum) and a clip that never binds: a gradient off by a constant factor shows in
+           # the parameters and the norms, which AdamW alone would hide.
+           "sgd": RM.Config(steps=4, optimizer="sgd", clip=1e6)}
 
 
-def _train(model: torch.nn.Module, cfg: RM.Config, full_state) -> dict:
-    """The reference loop on this rank's share of the global batch, for an already-wrapped model."""
+def _train(model: torch.nn.Module, cfg: RM.Config, full_state, clip) -> dict:
+    """The reference loop on this rank's share of the global batch, for an already-wrapped model;
+    ``clip(model, max_norm)`` clips and returns the total norm (with ``cfg.clip``)."""
     import torch.distributed as dist
 
     import hybridshard as hs
 
     rank, world = dist.get_rank(), dist.get_world_size()
     opt = RM.make_optimizer(cfg, model.parameters())
-    losses, counts = [], []
+    losses, counts, norms = [], [], []
     for step in range(cfg.steps):
         opt.zero_grad(set_to_none=True)
         tokens = RM.batch(step, 0, rank, cfg.micro_batch)
@@ -44,8 +49,23 @@ def _train(model: torch.nn.Module, cfg: RM.Config, full_state) -> dict:
         total = loss.detach().float().reshape(1)
         dist.all_reduce(total)
         losses.append(total.item() / world)
+        if cfg.clip is not None:
+            norms.append(float(clip(model, cfg.clip)))
         opt.step()
-    return {"losses": losses, "norms": [], "state": full_state(model), "counts": counts}
+    return {"losses": losses, "norms": norms, "state": full_state(model), "counts": counts}
+
+
+def _hs_clip(model, max_norm):
+    import hybridshard as hs
+
+    return hs.clip_grad_norm_(model, max_norm)
+
+
+def _fsdp2_clip(model, max_norm):
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # over DTensor gradients: the full norm
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def _hs_state(model):
@@ -74,7 +94,7 @@ def fsdp2_run(cfg: RM.Config) -> dict:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    out = _train(model, cfg, _fsdp2_state)
+    out = _train(model, cfg, _fsdp2_state, _fsdp2_clip)
     out["shard_group"] = torch.distributed.get_process_group_ranks(mesh.get_group("shard"))
     return out
 
@@ -94,7 +114,7 @@ def hybridshard_run(cfg: RM.Config, *, via: str) -> dict:
         "mesh_1d": lambda: {"mesh": init_device_mesh("cpu", (WORLD,), mesh_dim_names=("shard",))},
     }[via]()
     hs.shard(model, strategy=cfg.strategy, wrap={RM.Block}, mixed_precision=mp, **where)
-    out = _train(model, cfg, _hs_state)
+    out = _train(model, cfg, _hs_state, _hs_clip)
     pair = model._hybridshard_runtime.units[0].groups
     out["sizes"] = (pair.shard_size, pair.replicate_size)
     from hybridshard.topology.groups import group_name

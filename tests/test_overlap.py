@@ -31,6 +31,10 @@ CONFIGS += [RM.Config(strategy=s, prefetch=p, overlap_grads=o, steps=3, micro_st
             for s in HYBRID for rs in (False, True) for p, o in SPEED]
 CONFIGS += [RM.Config(strategy=s, prefetch=p, overlap_grads=o, steps=3, checkpoint=True) for s in HYBRID for p, o in SPEED]
 CONFIGS += [RM.Config(strategy="HYBRID_SHARD", prefetch=p, overlap_grads=o, steps=3, bf16=True) for p, o in SPEED]
+# SGD (momentum) and a clip that never binds, with accumulation: a gradient off by a constant factor
+# (a reduction summed, not averaged, on the overlapped path) shows in the parameters and the norms.
+CONFIGS += [RM.Config(strategy=s, prefetch=p, overlap_grads=o, steps=3, micro_steps=2, optimizer="sgd", clip=1e6)
+            for s in HYBRID + ["FULL_SHARD"] for p, o in (SPEED[0], SPEED[-1])]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,7 @@ def _baseline(cfg: RM.Config) -> int:
 @pytest.mark.parametrize("index", range(len(CONFIGS)), ids=[
     f"{c.strategy}-p{c.prefetch}-{'overlap' if c.overlap_grads else 'sync'}"
     + (f"-micro{c.micro_steps}" + ("rs" if c.reduce_scatter_micro else "") if c.micro_steps > 1 else "")
-    + ("-ckpt" if c.checkpoint else "") + ("-bf16" if c.bf16 else "")
+    + ("-ckpt" if c.checkpoint else "") + ("-bf16" if c.bf16 else "") + ("-sgd" if c.optimizer == "sgd" else "")
     for c in CONFIGS
 ])
 def test_same_results_with_and_without_prefetch_and_overlap(sweep, index):

@@ -69,8 +69,7 @@ def test_mixed_parity_norms_and_counts(results, index):
         RM.compare(ref, got, label=f"rank {rank}", **(BF16_TOL if cfg.bf16 else FP32_TOL))
         expected = RM.expected_counts(cfg)
         for step, counts in enumerate(got["counts"]):
-            if not cfg.checkpoint:  # recomputation inside backward reuses the backward's gather
-                assert counts == expected, f"rank {rank} step {step}: {counts} != {expected}"
+            assert counts == expected, f"rank {rank} step {step}: {counts} != {expected}"
         assert got["clip_counts"] == [RM.expected_clip_counts(cfg)] * cfg.steps, got["clip_counts"]
 
 

@@ -11,7 +11,10 @@ of its parameters; a module split into a trainable and a frozen part is done onc
    every meta buffer of those modules one too;
 2. initialises each module, children before parents (as ``nn.Module.apply`` and Hugging Face's
    ``init_weights`` do), with ``param_init_fn(module)`` when given, else ``module.reset_parameters()``
-   (the FSDP2 and torchtitan convention). Either must set the module's *own* parameters and buffers;
+   (the FSDP2 and torchtitan convention). Either must set the module's *own* parameters and buffers,
+   or those of its descendants when they all belong to the unit: a module holding none of its own
+   whose subtree is all in the unit and all meta is initialised too, after its children (Hugging
+   Face's GPT-2 scales its attention's and MLP's ``c_proj`` there);
 3. copies this rank's range of each parameter into the unit's master shard, after which the full
    tensors are dropped (see ``build_unit``).
 
@@ -99,7 +102,7 @@ class DeferredInit:
                 continue
             modules[id(m)] = m
             todo.extend(m.children())
-        init = {id(m): m for m in modules.values() if _holds_meta(m)}
+        init = {id(m): m for m in modules.values() if _holds_meta(m) or self._meta_container(m, stop)}
         out = []
         for spec in specs:
             new_params = []
@@ -115,6 +118,17 @@ class DeferredInit:
             out.append(replace(spec, params=tuple(new_params)))
         self._init_modules(init.values())
         return out
+
+    @staticmethod
+    def _meta_container(module: nn.Module, stop: set[int]) -> bool:
+        """Whether ``module`` holds nothing itself and its subtree is in the unit (no other unit's module
+        under it) and holds only meta tensors, so an init of it can only touch the unit's new tensors."""
+        tensors = []
+        for m in module.modules():
+            if id(m) in stop:
+                return False
+            tensors += [t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+        return bool(tensors) and all(t.is_meta for t in tensors)
 
     def release(self) -> None:
         """Drop the full tensors of the units just built (their parameters now view the shards)."""

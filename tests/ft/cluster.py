@@ -9,8 +9,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from tests.mp import free_port
+import torch.distributed as dist
 
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,16 +25,22 @@ class Group:
     ranks: int
     logdir: str
     procs: list[subprocess.Popen] = field(default_factory=list)
+    store: Any = None
+    """The store of the group's current life (see :meth:`start`)."""
 
     def log(self, rank: int) -> str:
         return os.path.join(self.logdir, f"replica{self.replica}_rank{rank}.jsonl")
 
     def start(self, lighthouse: str, args: list[str]) -> None:
-        port = free_port()
+        # The group's store lives here, as torchrun's agent would host it: bound once on a port of the
+        # kernel's choice and handed to the ranks (TORCHELASTIC_USE_AGENT_STORE: they connect, none binds),
+        # a fresh one for each life of the group.
+        self.store = dist.TCPStore("127.0.0.1", 0, self.ranks, is_master=True, wait_for_workers=False)
         self.procs = []
         for rank in range(self.ranks):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.ranks),
-                       LOCAL_WORLD_SIZE=str(self.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       LOCAL_WORLD_SIZE=str(self.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
+                       TORCHELASTIC_USE_AGENT_STORE="True",
                        HYBRIDSHARD_NODE_NAME=f"node{self.replica}", TORCHFT_LIGHTHOUSE=lighthouse,
                        HYBRIDSHARD_REPLICA_ID=f"replica{self.replica}", OMP_NUM_THREADS="1",
                        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),

@@ -3,7 +3,13 @@
 Run with the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) of its own replica
 group plus TORCHFT_LIGHTHOUSE and HYBRIDSHARD_REPLICA_ID. Trains a small model until the committed
 step count reaches --steps, one JSON line per step into --out, then checks the replicas and writes a
-digest of this rank's master shards and optimizer state into --out's ``.done`` file.
+digest of this rank's master shards and optimizer state into --out's ``.done`` file, and (rank 0) the
+group's full parameters into --out's ``.state.pt`` file.
+
+Each step's line says what a reference needs to replay it: ``batches``, the per-group batches committed
+before it (its samples follow them, see ``FaultTolerance.batch_indices``), ``replicas`` (the groups
+averaged), ``participant`` (this group's place among them; None while healing), this group's ``loss``
+and the total ``grad_norm`` after the cross-group reduction.
 """
 
 from __future__ import annotations
@@ -25,11 +31,23 @@ from hybridshard.runtime.engine import get_runtime
 
 
 def model_and_data(seed: int = 0, width: int = 32) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The model's initial weights from ``seed``; the data is the same for every seed."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 16, generator=g)
+    y = torch.randn(512, 4, generator=g)
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4))
-    x = torch.randn(512, 16)
-    y = torch.randn(512, 4)
     return model, x, y
+
+
+SGD_LR, SGD_MOMENTUM = 1e-2, 0.9
+"""``--optimizer sgd``; its update shows a gradient off by a constant factor, which AdamW's hides."""
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=SGD_LR, momentum=SGD_MOMENTUM)
+    return torch.optim.AdamW(params, lr=1e-2)
 
 
 def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
@@ -48,15 +66,19 @@ class PlainReplicas:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: int) -> None:
         self.model, self.optimizer, self.batch = model, optimizer, batch
-        self.current_step = self.batches_committed = 0
+        self.current_step = 0
         groups = get_runtime(model).root.groups
         self.num_replicas, self.replica_rank = groups.replicate_size, groups.replicate_rank
+
+    @property
+    def batches_committed(self) -> int:
+        return self.current_step * self.num_replicas
 
     def start_step(self) -> None:
         pass
 
     def batch_indices(self, batch_size: int, dataset_size: int) -> list[int]:
-        start = (self.current_step * self.num_replicas + self.replica_rank) * batch_size
+        start = (self.batches_committed + self.replica_rank) * batch_size
         return [(start + i) % dataset_size for i in range(batch_size)]
 
     def step(self) -> bool:
@@ -100,14 +122,18 @@ def main() -> None:
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--max-failed-steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=32, help="hidden width of the model")
+    parser.add_argument("--init-seed", type=int, default=0,
+                        help="seed of the initial weights (a group resuming from a checkpoint must not keep them)")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    parser.add_argument("--clip", type=float, default=1.0, help="max gradient norm (1e6: the norm, never clipped)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     groups = hs.init_groups()
-    model, x, y = model_and_data(width=args.width)
+    model, x, y = model_and_data(seed=args.init_seed, width=args.width)
     model = hs.shard(model, strategy="hybrid_shard", groups=groups, check_steps=not args.no_check_steps,
                      wrap=lambda m: isinstance(m, nn.Linear))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = make_optimizer(args.optimizer, model.parameters())
     if args.plain:
         ft = PlainReplicas(model, optimizer, args.batch)
     else:
@@ -137,9 +163,10 @@ def main() -> None:
         t0 = time.perf_counter()
         ft.start_step()
         index = torch.tensor(ft.batch_indices(args.batch, x.shape[0]))
+        batches, participant = ft.batches_committed, ft.replica_rank
         loss = nn.functional.mse_loss(model(x[index]), y[index])
         loss.backward()
-        hs.clip_grad_norm_(model, 1.0)
+        grad_norm = hs.clip_grad_norm_(model, args.clip)
         if args.sleep:
             time.sleep(args.sleep)
         committed = ft.step()
@@ -149,13 +176,17 @@ def main() -> None:
         optimizer.zero_grad()
         record = json.dumps({"pid": os.getpid(), "step": ft.current_step, "committed": committed,
                              "replicas": ft.num_replicas, "loss": loss.item(), "seconds": time.perf_counter() - t0,
-                             "t": time.time()})
+                             "t": time.time(), "batches": batches, "participant": participant,
+                             "grad_norm": grad_norm.item()})
         log.write(record + "\n")
         if dist.get_rank() == 0:
             print(record, flush=True)  # what `local-cluster --kill-when` watches
         if args.ckpt and args.save_every and committed and ft.current_step % args.save_every == 0:
             ft.save_checkpoint(os.path.join(args.ckpt, f"step_{ft.current_step:08d}"))
     compared = ft.check_replicas()
+    state = hs.full_state_dict(model)  # collective in the group
+    if dist.get_rank() == 0:
+        torch.save(state, args.out + ".state.pt")
     with open(args.out + ".done", "w") as f:
         json.dump({"digest": digest(model, optimizer), "compared": compared, "step": ft.current_step,
                    "seconds": time.perf_counter() - started,
