@@ -16,6 +16,15 @@ from tests import runtime_models as RM
 from tests.mp import RankPool
 
 
+@pytest.fixture(autouse=True)
+def no_wrappers_after():
+    """The in-process tests install the sync counters' wrappers; later test modules run without them."""
+    yield
+    from hybridshard.runtime import host_syncs
+
+    host_syncs.uninstall()
+
+
 @pytest.fixture
 def device():
     from hybridshard.runtime.emulate import EmulatedStreams

@@ -69,6 +69,8 @@ class SyncCounts:
 
 _COUNTS = SyncCounts()
 _INSTALLED: list[Any] = []
+_ORIGINALS: list[tuple[Any, str, Any]] = []
+_INHERITED = object()  # the name came from a base class: uninstall deletes the wrapper
 _HOST: dict[int, StorageWeakRef] = {}
 """Storages that are host memory on a real device (pinned copies, offloaded masters), while counting."""
 
@@ -172,6 +174,9 @@ def install() -> SyncCounts:
     """Wrap the syncing calls once per process (the first emulated runtime does it); the counts."""
     if not _INSTALLED:
         T = torch.Tensor
+        targets = [(T, n) for n in ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "copy_")]
+        targets += [(torch, "tensor"), (torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize")]
+        _ORIGINALS.extend((owner, name, owner.__dict__.get(name, _INHERITED)) for owner, name in targets)
         for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
             setattr(T, name, _wrap(name, getattr(T, name)))
         T.cpu = _wrap("cpu", T.cpu, lambda self, *a, **k: not k.get("non_blocking", False))
@@ -181,3 +186,14 @@ def install() -> SyncCounts:
             cls.synchronize = _wrap(f"{cls.__name__}.synchronize", cls.synchronize)
         _INSTALLED.append(True)
     return _COUNTS
+
+
+def uninstall() -> None:
+    """Put back what :func:`install` wrapped (a process that goes on without the emulated device)."""
+    while _ORIGINALS:
+        owner, name, original = _ORIGINALS.pop()
+        if original is _INHERITED:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+    _INSTALLED.clear()
