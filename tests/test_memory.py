@@ -263,7 +263,8 @@ def predicted(strategy: str, prefetch: int, overlap: bool, got: dict) -> int:
                      param_dtype="fp32", reduce_dtype="fp32", master_dtype="fp32")
     s = ShardingStrategy[strategy]
     shard_size = 1 if s is ShardingStrategy.NO_SHARD else got["shard_size"]
-    return memory(s, shard_size, model=spec, prefetch=prefetch, overlap_grads=overlap).total
+    # On CPU AdamW steps one parameter at a time (no foreach temporary the size of the shard).
+    return memory(s, shard_size, model=spec, prefetch=prefetch, overlap_grads=overlap, foreach=False).total
 
 
 def ratios(measured, overlap: bool | None = None) -> dict[tuple[str, int, bool], list[float]]:

@@ -79,6 +79,21 @@ def test_memory_terms():
     assert replicated.optimizer == 1000 * 4 and replicated.total == 4000 * 3 + 800
 
 
+def test_adamw_step_temporary_is_the_peak_when_backward_needs_less():
+    """Found on an H100: every strategy's one-rank peak was the foreach AdamW step's square root of
+    the second moment, one temporary the size of the master shard, which the total left out."""
+    fp32 = ModelSpec(num_params=1000, unit_params=100, param_dtype="fp32")  # AdamW
+    m = memory(S.NO_SHARD, 1, model=fp32)
+    assert m.gathered == 800 and m.step_temp == 1000 * 4
+    assert m.total == 1000 * 4 + 1000 * 4 + 2 * 1000 * 4 + 1000 * 4  # the step's peak, not the backward's
+    assert memory(S.NO_SHARD, 1, model=fp32, foreach=False).total == 4000 * 4 + 800  # CPU: one parameter at a time
+    sliced = memory(S.HYBRID_SHARD, 2, model=fp32, replicate_size=4, shard_optimizer=True)
+    assert sliced.step_temp == 125 * 4  # the optimizer's slice of the shard
+    sgd = memory(S.NO_SHARD, 1, model=ModelSpec(num_params=1000, unit_params=100, param_dtype="fp32",
+                                                optimizer=Optimizer.SGD))
+    assert sgd.step_temp == 0
+
+
 def test_shard_sizes_tile_every_node():
     assert shard_sizes(TWO_NODES) == [2, 4]
     assert shard_sizes(ClusterSpec(node_sizes=(8, 4), gpu_memory_bytes=1)) == [2, 4]

@@ -132,6 +132,15 @@ def test_two_sockets_numa_affinity_na():
         plan(p, "numa")
 
 
+def test_underlined_header_of_a_recent_driver_reads():
+    """Recorded on a single-H100 machine: the header line carries terminal underline codes."""
+    text = (SMI / "h100x1_single_gpu_ansi.txt").read_text()
+    assert "\x1b[4m" in text.splitlines()[0]
+    p = read_topo_matrix(str(SMI / "h100x1_single_gpu_ansi.txt"))
+    assert p.num_gpus == 1 and p.gpus[0].numa_node == 0 and p.gpus[0].cpu_affinity == tuple(range(16))
+    assert p.gpus[0].nvlinks == ()
+
+
 def test_reindented_paste_still_reads():
     p = node("rtx3090x2_node_reindented")
     assert p.gpu_matrix == (("X", "NODE"), ("NODE", "X"))

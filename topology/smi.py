@@ -41,6 +41,8 @@ LEVELS = ("PIX", "PXB", "PHB", "NODE", "SYS")
 _NAMED = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
 _CODE = re.compile(r"^(X|NV\d+|PIX|PXB|PHB|NODE|SYS|SOC)$")
 _GPU = re.compile(r"^GPU(\d+)$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+"""Terminal styling: recent drivers underline the header (ESC[4m ... ESC[0m), also into a file."""
 _LEGEND_ENTRY = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
 _FROM = "not in nvidia-smi topo -m"
 
@@ -117,7 +119,7 @@ def apply_fabric(probe: NodeProbe, query_text: str) -> NodeProbe:
 def parse_topo_matrix(text: str, *, node_name: str = "smi") -> NodeProbe:
     """The :class:`NodeProbe` that ``text`` (``nvidia-smi topo -m`` output) describes; see
     [Note: reading topo -m]. Raises ``ValueError`` naming the line for text that is not one matrix."""
-    lines = text.splitlines()
+    lines = _ANSI.sub("", text).splitlines()
     head = next((i for i, line in enumerate(lines) if line.split()[:1] == ["GPU0"]), None)
     if head is None:
         first = next(((i, l) for i, l in enumerate(lines) if l.strip()), (0, ""))

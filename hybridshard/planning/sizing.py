@@ -65,6 +65,11 @@ class Optimizer(enum.Enum):
     def states_per_param(self) -> int:
         return {"adamw": 2, "adam": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1, "none": 0}[self.value]
 
+    @property
+    def step_temporaries(self) -> int:
+        """Parameter-sized temporaries torch's foreach implementation allocates in ``step()``."""
+        return {"adamw": 1, "adam": 1, "sgd": 0, "adagrad": 1, "rmsprop": 1, "none": 0}[self.value]
+
 
 class LinkClass(enum.Enum):
     INTRA_NODE = "intra_node"
@@ -170,9 +175,13 @@ class MemoryEstimate:
     ZeRO-3 units gathered, the unit gradient in flight (less the gradient shards for ZeRO-2, whose
     peak comes before they exist)."""
 
+    step_temp: int = 0
+    """The optimizer step's own temporary (foreach Adam's square root of the second moment, one per
+    parameter of the slice): the step's peak, when it exceeds the backward's ``gathered``."""
+
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.gathered
+        return self.params + self.grads + self.optimizer + max(self.gathered, self.step_temp)
 
 
 @dataclass(frozen=True)
@@ -266,14 +275,17 @@ def _link_of(group: str, cluster: ClusterSpec) -> LinkClass:
 
 
 def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, prefetch: int = 1,
-           overlap_grads: bool = True, replicate_size: int = 1, shard_optimizer: bool = False) -> MemoryEstimate:
+           overlap_grads: bool = True, replicate_size: int = 1, shard_optimizer: bool = False,
+           foreach: bool = True) -> MemoryEstimate:
     """Per-GPU bytes at the step's peak (in backward); docs/planning.md explains each term.
 
     ``prefetch`` and ``overlap_grads`` are ``shard()``'s: ZeRO-3 with prefetch ``d`` keeps up to
     ``d + 1`` units gathered, and an overlapped reduction keeps the previous unit's gradient alive
     while the next one is summed. ``shard_optimizer`` (with ``replicate_size``): gradients, optimizer
     state and the master are this rank's ``1 / replicate_size`` slice of the shard; under mixed
-    precision the shard is kept in the compute dtype besides.
+    precision the shard is kept in the compute dtype besides. ``foreach``: the optimizer steps every
+    parameter at once (torch's default on CUDA), with a temporary the size of the slice; torch's
+    per-parameter loop (its default on CPU) allocates one parameter's at a time, left out.
     """
     shard_numel = -(-model.num_params // shard_size)
     slice_numel = -(-shard_numel // replicate_size) if shard_optimizer else shard_numel
@@ -310,6 +322,7 @@ def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, pre
         grads=grads,
         optimizer=model.optimizer.states_per_param * slice_numel * b_m,
         gathered=kept + working,
+        step_temp=model.optimizer.step_temporaries * slice_numel * b_m if foreach else 0,
     )
 
 

@@ -75,6 +75,8 @@ class Pending:
             raise faults.collective_failed(self._kind, self._name, self._group, err) from err
         if self._work.is_completed():  # on NCCL the device may still run it: the watchdog polls it
             watchdog.end(self._token)
+        else:
+            watchdog.settle(self._token)
         self._done = True
         self._work = None  # the work holds its input and output tensors: let them go now
         sweep()  # and the aliases of earlier collectives the backend let go of (see hybridshard.runtime.handoff)

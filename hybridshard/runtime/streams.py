@@ -157,7 +157,8 @@ class StreamJob:
         """The compute stream waits for the reduce-scatter; then the unsharded gradient may go."""
         if self.full is not None:
             self.scattered.wait()
-            self.full = None
+            # ``first`` closes over the unsharded gradient too: kept, it held every unit's until drain.
+            self.full = self.first = None
             self.state = JobState.SCATTERED
 
 

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from hybridshard.runtime import faults, peers
@@ -114,6 +115,33 @@ def attach_work(token: int, work: Any) -> None:
         entry = _IN_FLIGHT.get(token)
         if entry is not None:
             entry.work = work
+
+
+class _Settled:
+    """A waited collective the device still runs, as the registry keeps it: an event the waiting stream
+    recorded after it, not the work, which holds the collective's tensors (an unsharded gradient kept
+    until the next poll, up to a second, for every unit reduced meanwhile)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+
+def settle(token: int | None) -> None:
+    """The collective ``token`` was waited (NCCL: the current stream waits for it) but has not completed:
+    keep an event after it instead of its work. Elsewhere its work stays (a wait there completes it)."""
+    if token is None or not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    event = torch.cuda.Event()
+    event.record()
+    with _LOCK:
+        entry = _IN_FLIGHT.get(token)
+        if entry is not None:
+            entry.work = _Settled(event)
 
 
 def end(token: int | None) -> None:
