@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 VOCAB, DIM, SEQ = 32, 16, 6
+# Not the examples' and bench's GPT (hybridshard.bench.model) on purpose: tiny, with tied, frozen, buffer and root-level state.
 
 
 class Block(nn.Module):
