@@ -1,7 +1,7 @@
 """Seconds one lost node costs: fault-tolerant mode against a whole-job restart from the last checkpoint.
 
 Two `hybridshard launch` agents on 127.0.0.1 (node0, node1), 2 ranks each, the same training job
-(tests/ft/worker.py, HYBRID_SHARD) in two modes, one after the other in one run:
+(benchmarks/ft_worker.py, HYBRID_SHARD) in two modes, one after the other in one run:
 
 * ft: `--fault-tolerant --max-restarts 1`, each node its own job, one lighthouse;
 * restart: one job over both nodes, `--max-restarts 1`, a checkpoint every --save-every steps.
@@ -30,7 +30,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-WORKER = os.path.join(ROOT, "tests", "ft", "worker.py")
+WORKER = os.path.join(ROOT, "benchmarks", "ft_worker.py")
 
 
 def _first_rank_log(pattern: str) -> str:
@@ -49,7 +49,7 @@ def _records(path: str) -> list[dict]:
 
 
 def run(mode: str, args: argparse.Namespace, workdir: str) -> dict:
-    from tests.mp import free_port
+    from hybridshard.launcher.local_cluster import free_port
 
     lighthouse = None
     port = free_port()

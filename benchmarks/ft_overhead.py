@@ -1,6 +1,6 @@
 """Steady-state step time of fault-tolerant mode against the plain replicate group, on shaped links.
 
-Runs the same HYBRID_SHARD job (tests/ft/worker.py) on `launch/local-cluster` (2 hosts x 2 ranks,
+Runs the same HYBRID_SHARD job (benchmarks/ft_worker.py) on `launch/local-cluster` (2 hosts x 2 ranks,
 links shaped to --bandwidth), first over one job with the usual replicate group, then with
 `hybridshard launch --fault-tolerant` (each host its own job; node 0's launcher starts the
 lighthouse), alternating --rounds times. Reports the median step time of each over the steps both
@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "ft", "worker.py")
+WORKER = os.path.join(ROOT, "benchmarks", "ft_worker.py")
 
 
 def run(mode: str, args: argparse.Namespace) -> list[float]:

@@ -1,6 +1,6 @@
-"""Peak CUDA memory of ``tests/cuda_job.py``'s memory runs against the planner, traced by phase and unit.
+"""Peak CUDA memory of the CUDA checks' memory runs against the planner, traced by phase and unit.
 
-The job of ``tests/cuda_job.py``'s ``memory_run`` (8 linear units of 1024 x 1024, batch 16, the second
+The job of ``benchmarks/memory_job.py``'s ``memory_run`` (8 linear units of 1024 x 1024, batch 16, the second
 AdamW step), per strategy, with marks at every unit's forward, at every unit's backward (a hook on
 its output's gradient), before the optimizer step and after it. At each mark the peak since the
 previous one is read and reset, so the trace says in which phase and unit the step's peak was and how
@@ -26,7 +26,7 @@ import torch.nn as nn
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after an installed hybridshard
 
 import hybridshard as hs  # noqa: E402
-from tests.cuda_job import STRATEGIES, memory_model, memory_plan  # noqa: E402
+from memory_job import STRATEGIES, memory_model, memory_plan  # noqa: E402  (benchmarks/memory_job.py)
 
 TARGET = 1.10
 

@@ -171,11 +171,6 @@ def optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
-@contextlib.contextmanager
-def _null() -> Iterator[None]:
-    yield
-
-
 def sharded_run(run: Run) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, block = make(run.kind)
@@ -193,7 +188,7 @@ def sharded_run(run: Run) -> dict[str, Any]:
         with hs.count_collectives() as c:
             for m in range(run.micro):
                 x, y = data(step, m, rank)
-                with hs.no_sync(model, reduce_scatter=run.reduce_scatter) if m < run.micro - 1 else _null():
+                with hs.no_sync(model, reduce_scatter=run.reduce_scatter) if m < run.micro - 1 else contextlib.nullcontext():
                     loss = loss_of(model, run.kind, x, y)
                     (loss / run.micro).backward()
                 total += loss.detach().float() / run.micro

@@ -177,14 +177,6 @@ class RankPool:
         self.close()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_rank_processes(
     argv: list[str], world_size: int, *, num_nodes: int = 2, timeout: float = 60.0, env: dict[str, str] | None = None
 ) -> list[tuple[int | None, str, float]]:

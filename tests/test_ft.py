@@ -44,7 +44,7 @@ def _replay(history: list[dict]) -> tuple[dict[int, dict], dict]:
     Returns, per step, every group's loss and the norm of the mean gradient; and the final parameters."""
     import torch
 
-    from tests.ft import worker as W
+    from benchmarks import ft_worker as W
 
     model, x, y = W.model_and_data(seed=0)
     params = list(model.parameters())
@@ -265,7 +265,7 @@ def test_launch_restarts_a_lost_nodes_workers_alone(tmp_path):
     import time
 
     from tests.ft.cluster import ROOT, WORKER
-    from tests.mp import free_port
+    from hybridshard.launcher.local_cluster import free_port
 
     lighthouse = _lighthouse()
     port = free_port()

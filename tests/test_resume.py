@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from hybridshard.launcher.local_cluster import free_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,12 +30,6 @@ EXAMPLE = os.path.join(REPO, "examples", "train_gpt.py")
 SMALL = ["--steps", "6", "--dim", "32", "--heads", "2", "--layers", "2", "--seq-len", "16", "--vocab", "64",
          "--batch-size", "8", "--timeout-s", "30"]
 KILL = ["--kill-rank", "3", "--kill-at-step", "5"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rendezvous(node: int, port: int, restarts: int | None) -> list[str]:
@@ -46,7 +41,7 @@ def _rendezvous(node: int, port: int, restarts: int | None) -> list[str]:
 def _run_cluster(tmp_path, name: str, extra: list[str], *, restarts: int | None = None, fails: bool = False,
                  timeout: float = 90):
     """Two agents (nodes) x 2 ranks; returns rank 0's JSON result, final state, and both agents' output."""
-    port = _free_port()
+    port = free_port()
     out_json, out_state = tmp_path / f"{name}.json", tmp_path / f"{name}.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "TORCH_DISABLE"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO, TORCH_CPP_LOG_LEVEL="ERROR")

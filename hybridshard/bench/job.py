@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from typing import Sequence
@@ -53,12 +52,6 @@ class JobSpec:
             Shaping(rate=self.inter_node_bandwidth)  # validates the rate
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
 def _quiet_env(base: dict[str, str]) -> dict[str, str]:
     env = dict(base)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -69,7 +62,7 @@ def _quiet_env(base: dict[str, str]) -> dict[str, str]:
 
 
 def _loopback(spec: JobSpec, sink: ProgressSink) -> int:
-    opts = local_cluster.ClusterOptions(spec.num_nodes, spec.procs_per_node, spec.worker_argv, port=_free_port())
+    opts = local_cluster.ClusterOptions(spec.num_nodes, spec.procs_per_node, spec.worker_argv, port=local_cluster.free_port(LOOPBACK))
     base = _quiet_env({k: v for k, v in os.environ.items() if k not in _RANK_ENV and not k.startswith("SLURM_")})
     # The local-cluster supervisor starts, streams and stops the agents the same way on loopback.
     sup = local_cluster._Supervisor(sink)

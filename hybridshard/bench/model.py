@@ -1,7 +1,8 @@
-"""The benchmark's model: a GPT-style decoder (pre-norm blocks, tied head) and its synthetic data.
+"""The GPT-style decoder (pre-norm blocks, tied head) of the benchmark and the examples, and the
+benchmark's synthetic data.
 
-It has the architecture of the example's model (``examples/model.py``), so benchmark figures speak
-for the example. Every system builds it from the same seed, so they all start from the same
+``examples/model.py`` re-exports :class:`GPT` and :class:`Block`, so benchmark figures speak for
+the example's model. Every system builds it from the same seed, so they all start from the same
 weights, and every system's ``k``-th step sees the same batch.
 """
 
@@ -36,6 +37,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """Token and position embeddings, ``layers`` blocks, a final norm and the tied head."""
+
     def __init__(self, vocab: int, dim: int, layers: int, heads: int, max_seq: int) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)

@@ -26,6 +26,8 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from hybridshard.comm_bytes import ring_factor
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["KINDS", "BandwidthRow", "BandwidthReport", "bus_bandwidth", "measure_bandwidth", "DEFAULT_SIZES"]
@@ -41,13 +43,9 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def bus_bandwidth(kind: str, algbw: float, n: int) -> float:
     """Bus bandwidth from algorithm bandwidth; see [Note: bus bandwidth]."""
-    if n < 1:
-        raise ValueError(f"group size must be >= 1, found {n}")
-    if kind in ("all_gather", "reduce_scatter"):
-        return algbw * (n - 1) / n
-    if kind == "all_reduce":
-        return algbw * 2 * (n - 1) / n
-    raise ValueError(f"collective must be one of {KINDS}, found {kind!r}")
+    if kind not in KINDS:
+        raise ValueError(f"collective must be one of {KINDS}, found {kind!r}")
+    return algbw * ring_factor(kind, n)
 
 
 def _human_bytes(n: int) -> str:

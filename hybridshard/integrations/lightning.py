@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -167,10 +167,7 @@ class HybridShardStrategy(LightningStrategyBase, ParallelStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning's gradient accumulation: no gradient communication on this micro-batch."""
-        if self.sharded is None:
-            yield
-            return
-        with hs.no_sync(self.sharded):
+        with hs.no_sync(self.sharded) if self.sharded is not None else nullcontext():
             yield
 
     def teardown(self) -> None:

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,7 +31,7 @@ from hybridshard.launcher.summary import render_summary
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["main", "ClusterOptions", "HostFault", "RunState"]
+__all__ = ["main", "ClusterOptions", "HostFault", "RunState", "free_port"]
 
 RIGHTS_EXIT = 3
 TIMEOUT_EXIT = 124
@@ -42,6 +43,13 @@ _POLL_S = 0.1
 _DROPPED_ENV_PREFIXES = ("SLURM_", "TORCHELASTIC_")
 _DROPPED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                 "MASTER_PORT", "HYBRIDSHARD_NODE_NAME", "HYBRIDSHARD_CPU_BINDING")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a rendezvous on this machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from hybridshard.comm_bytes import ring_factor
 from hybridshard.runtime.strategy import ShardingStrategy
 
 __all__ = [
@@ -253,17 +254,17 @@ def step_collectives(
     out: dict[tuple[str, str], float] = {}
     if strategy is ShardingStrategy.NO_SHARD:
         if r > 1:
-            out[("all_reduce", "world")] = 2 * (r - 1) / r * n * model.b_reduce
+            out[("all_reduce", "world")] = ring_factor("all_reduce", r) * n * model.b_reduce
         return out
     shard_group = "shard" if strategy.is_hybrid else "world"
     if s > 1:
-        out[("all_gather", shard_group)] = (s - 1) / s * gathered * model.b_param
-        out[("reduce_scatter", shard_group)] = (s - 1) / s * n * model.b_reduce
+        out[("all_gather", shard_group)] = ring_factor("all_gather", s) * gathered * model.b_param
+        out[("reduce_scatter", shard_group)] = ring_factor("reduce_scatter", s) * n * model.b_reduce
     if strategy.is_hybrid and r > 1 and shard_optimizer:
-        out[("reduce_scatter", "replicate")] = (r - 1) / r * (n / s) * model.b_reduce
-        out[("all_gather", "replicate")] = (r - 1) / r * (n / s) * model.b_param
+        out[("reduce_scatter", "replicate")] = ring_factor("reduce_scatter", r) * (n / s) * model.b_reduce
+        out[("all_gather", "replicate")] = ring_factor("all_gather", r) * (n / s) * model.b_param
     elif strategy.is_hybrid and r > 1:
-        out[("all_reduce", "replicate")] = 2 * (r - 1) / r * (n / s) * model.b_reduce
+        out[("all_reduce", "replicate")] = ring_factor("all_reduce", r) * (n / s) * model.b_reduce
     return out
 
 

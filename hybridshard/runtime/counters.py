@@ -15,25 +15,9 @@ from typing import Iterator
 
 import torch
 
+from hybridshard.comm_bytes import ring_bytes
+
 __all__ = ["CollectiveCounts", "count_collectives", "record", "ring_bytes"]
-
-
-def ring_bytes(kind: str, n: int, input_bytes: float) -> float:
-    """Bytes one rank sends for a collective over ``n`` ranks in the ring model, from its input bytes.
-
-    An all-gather's input is one shard: ``(n-1) * input``. A reduce-scatter's or all-to-all's input
-    is the full tensor: ``(n-1)/n * input``. An all-reduce is a reduce-scatter then an all-gather:
-    ``2 (n-1)/n * input``. A broadcast pipelined along the ring sends its input once per rank.
-    """
-    if n <= 1:
-        return 0.0
-    if kind == "all_gather":
-        return (n - 1) * input_bytes
-    if kind in ("reduce_scatter", "all_to_all"):
-        return (n - 1) / n * input_bytes
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n * input_bytes
-    return float(input_bytes)
 
 
 @dataclass

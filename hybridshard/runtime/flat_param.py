@@ -173,10 +173,6 @@ class FlatParam:
 
     # -- the unsharded side ----------------------------------------------------------------------
 
-    @property
-    def is_allocated(self) -> bool:
-        return self.unsharded.untyped_storage().size() > 0
-
     def alloc_storage(self) -> None:
         if self.unsharded.numel() != self.layout.padded_numel:
             # First gather: give the leaf its shape. Its storage object stays the same from here on

@@ -43,7 +43,7 @@ from hybridshard.runtime import host_syncs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CPUOffload", "Staged", "arrived", "master_device", "parse_offload", "place_master", "stage"]
+__all__ = ["CPUOffload", "Staged", "arrived", "parse_offload", "place_master", "stage"]
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,6 @@ def parse_offload(value: object) -> CPUOffload | None:
         return value
     raise ValueError(f"offload must be a hybridshard.CPUOffload, True, False or None; got {value!r}. "
                      "Pass offload=hybridshard.CPUOffload() to keep the sharded state in CPU memory")
-
-
-def master_device(offload: CPUOffload | None, device: torch.device) -> torch.device:
-    """Where the master shards live: the CPU when offloading, else the compute device."""
-    return torch.device("cpu") if offload is not None else device
 
 
 def place_master(shard: torch.Tensor, offload: CPUOffload | None) -> torch.Tensor:

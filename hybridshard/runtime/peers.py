@@ -64,10 +64,6 @@ def identity() -> tuple[int, int]:
     return _STORE.get("identity", (0, 1))
 
 
-def forget_store() -> None:
-    _STORE.clear()
-
-
 @dataclass(frozen=True)
 class Report:
     """What one rank said about itself."""

@@ -161,10 +161,6 @@ class PieceSavePlanner(DefaultSavePlanner):
             return data
         return super().resolve_data(write_item)
 
-    def bytes_planned(self) -> int:
-        """Bytes of tensor data this rank writes (after the global plan de-duplicated it)."""
-        return sum(item.tensor_storage_size() or 0 for item in self.plan.items)
-
 
 class PieceLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner for the whole-tensor and bytes entries, plus reads into ``pieces``.

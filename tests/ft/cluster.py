@@ -13,8 +13,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "benchmarks", "ft_worker.py")
 
 
 @dataclass

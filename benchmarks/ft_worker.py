@@ -1,4 +1,4 @@
-"""One rank of a replica group in fault-tolerant mode, for tests/test_ft.py and the FT measurement.
+"""One rank of a replica group in fault-tolerant mode, for tests/test_ft.py and the FT benchmarks.
 
 Run with the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) of its own replica
 group plus TORCHFT_LIGHTHOUSE and HYBRIDSHARD_REPLICA_ID. Trains a small model until the committed
