@@ -4,6 +4,7 @@ The class and option checks run in this process; the methods run on one 2-rank g
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import pickle
@@ -186,6 +187,8 @@ def check_methods() -> dict:
     assert twin.hybridshard_runtime.prefetch_depth == 0
     with pytest.raises(TypeError, match=r"^pickle expects a plain module, found a sharded HybridShardTinyLM"):
         pickle.dumps(model)
+    with pytest.raises(TypeError, match=r"^pickle expects a plain module"):
+        copy.deepcopy(model)
 
     first, second = RM.batch(0, 0, 0, 2), RM.batch(0, 1, 0, 2)
     for t in (first, second):
