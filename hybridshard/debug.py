@@ -6,7 +6,7 @@
 - :func:`check_replicas` / :func:`maybe_check_replicas` (replicas hold the same shards, else
   :class:`ReplicaDivergence`); :func:`set_debug` (check every collective, as ``HYBRIDSHARD_DEBUG=1``).
 
-The old top-level names (``hybridshard.record_issue_order`` ...) are the same objects; see docs/api.md.
+Those that were top-level names before (``hybridshard.record_issue_order`` ...) stay importable there.
 """
 
 from hybridshard.runtime.agreement import set_debug
@@ -15,14 +15,5 @@ from hybridshard.runtime.issue_order import IssueLog, record_issue_order
 from hybridshard.runtime.stats import comm_stats
 from hybridshard.state.replicas import ReplicaDivergence, check_replicas, maybe_check_replicas
 
-__all__ = [
-    "CollectiveCounts",
-    "IssueLog",
-    "ReplicaDivergence",
-    "check_replicas",
-    "comm_stats",
-    "count_collectives",
-    "maybe_check_replicas",
-    "record_issue_order",
-    "set_debug",
-]
+__all__ = ["CollectiveCounts", "IssueLog", "ReplicaDivergence", "check_replicas", "comm_stats", "count_collectives",
+           "maybe_check_replicas", "record_issue_order", "set_debug"]
