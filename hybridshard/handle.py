@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from hybridshard.runtime import api, engine
 from hybridshard.runtime.grad_norm import clip_grad_norm_
+from hybridshard.runtime.reduce import SyncMode
 from hybridshard.runtime.replica_slices import gather_updated_params
 from hybridshard.runtime.stats import comm_stats
 from hybridshard.state.full import full_state_dict, load_full_state_dict
@@ -48,6 +49,20 @@ class HybridShardModule:
     def no_sync(self, *, reduce_scatter: bool = False) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients over micro-batches; see :func:`hybridshard.no_sync`."""
         return engine.no_sync(self, reduce_scatter=reduce_scatter)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, reduce_scatter: bool = False) -> None:
+        """FSDP2's form of :meth:`no_sync`: ``False`` holds gradients as inside the block (``reduce_scatter`` as
+        there) until ``True``, after which the next backward reduces everything held."""
+        if not isinstance(requires_gradient_sync, bool) or not isinstance(reduce_scatter, bool):
+            raise ValueError(
+                f"set_requires_gradient_sync expects True or False, found {requires_gradient_sync!r} (reduce_scatter="
+                f"{reduce_scatter!r}); pass model.set_requires_gradient_sync(False) to hold gradients, True to reduce"
+            )
+        runtime = engine.get_runtime(self)
+        if requires_gradient_sync:
+            runtime.sync_mode = SyncMode.SYNC
+        else:
+            runtime.sync_mode = SyncMode.SHARD_ONLY if reduce_scatter else SyncMode.LOCAL
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
                         error_if_nonfinite: bool = False) -> torch.Tensor:

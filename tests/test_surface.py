@@ -37,6 +37,7 @@ ALIASES = {
     "ShardedState": "hybridshard.runtime.unit.ShardedState",
     "TrainingState": "hybridshard.runtime.unit.TrainingState",
     "no_sync": "hybridshard.runtime.engine.no_sync",
+    "set_requires_gradient_sync": "hybridshard.runtime.engine.no_sync",
     "clip_grad_norm_": "hybridshard.runtime.grad_norm.clip_grad_norm_",
     "gather_updated_params": "hybridshard.runtime.replica_slices.gather_updated_params",
     "param_shapes": "hybridshard.state.shapes.param_shapes",
@@ -67,6 +68,7 @@ SURFACE = {"shard", "HybridShardModule", "init_groups", "ShardGroups", "Sharding
 # Each handle method and the function it stands for.
 METHODS = {
     "no_sync": "hybridshard.runtime.engine.no_sync",
+    "set_requires_gradient_sync": "hybridshard.runtime.engine.no_sync",
     "clip_grad_norm_": "hybridshard.runtime.grad_norm.clip_grad_norm_",
     "full_state_dict": "hybridshard.checkpoint.full_state_dict",
     "load_full_state_dict": "hybridshard.checkpoint.load_full_state_dict",
@@ -206,6 +208,23 @@ def check_methods() -> dict:
     ref_inf = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
     clipped = model.clip_grad_norm_(0.5 * ref_norm).item()
     after = hs.clip_grad_norm_(model, 1e9).item()
+    with hs.debug.count_collectives() as held_by_switch:
+        twin.set_requires_gradient_sync(False)  # FSDP2's form of the block, on the twin
+        RM.lm_loss(twin(first), first).backward()
+    twin.set_requires_gradient_sync(True)
+    RM.lm_loss(twin(second), second).backward()
+    switch = {"reduced": sum(v for k, v in held_by_switch.calls.items() if k[0] in ("reduce_scatter", "all_reduce")),
+              "norm": twin.clip_grad_norm_(1e9).item()}
+    with pytest.raises(ValueError, match=r"^set_requires_gradient_sync expects True or False, found 0"):
+        twin.set_requires_gradient_sync(0)
+    with twin.no_sync(), hs.no_sync(twin):  # as accelerate's model.no_sync around a Trainer's own block
+        assert twin.hybridshard_runtime.sync_mode.name == "LOCAL"
+    assert twin.hybridshard_runtime.sync_mode.name == "SYNC"
+    with pytest.raises(ValueError, match=r"^no_sync\(reduce_scatter=True\) expects no open block or one of the same "
+                       r"kind, found one with reduce_scatter=False; leave"):
+        with twin.no_sync(), twin.no_sync(reduce_scatter=True):
+            pass
+    assert twin.hybridshard_runtime.sync_mode.name == "SYNC"
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt.step()
@@ -219,7 +238,7 @@ def check_methods() -> dict:
     model.gather_updated_params()  # no slices: nothing to gather
     return {"reduced_in_no_sync": sum(reduced.values()), "gathered_in_no_sync": gathered, "ref_norm": ref_norm, "unclipped": unclipped,
             "again": again, "inf": inf_norm, "ref_inf": ref_inf, "clipped": clipped, "after": after,
-            "steps": model.comm_stats()["steps"], "same": same_state and same_optim, "moved": moved,
+            "steps": model.comm_stats()["steps"], "switch": switch, "same": same_state and same_optim, "moved": moved,
             "shapes": model.param_shapes() == hs.param_shapes(model) == {n: tuple(p.shape) for n, p in
                                                                          ref.named_parameters()}}
 
@@ -285,6 +304,7 @@ def test_methods_match_the_functions(pool):
         assert r["inf"] == pytest.approx(r["ref_inf"], rel=1e-5), r
         assert r["clipped"] == pytest.approx(r["ref_norm"], rel=1e-5), r
         assert r["after"] == pytest.approx(0.5 * r["ref_norm"], rel=1e-4), r
+        assert r["switch"]["reduced"] == 0 and r["switch"]["norm"] == pytest.approx(r["ref_norm"], rel=1e-5), r
         assert r["steps"] == 1 and r["same"] and r["moved"] and r["shapes"], r
 
 
