@@ -37,7 +37,6 @@ ALIASES = {
     "ShardedState": "hybridshard.runtime.unit.ShardedState",
     "TrainingState": "hybridshard.runtime.unit.TrainingState",
     "no_sync": "hybridshard.runtime.engine.no_sync",
-    "set_requires_gradient_sync": "hybridshard.runtime.engine.no_sync",
     "clip_grad_norm_": "hybridshard.runtime.grad_norm.clip_grad_norm_",
     "gather_updated_params": "hybridshard.runtime.replica_slices.gather_updated_params",
     "param_shapes": "hybridshard.state.shapes.param_shapes",
@@ -65,10 +64,10 @@ SURFACE = {"shard", "HybridShardModule", "init_groups", "ShardGroups", "Sharding
            "CPUOffload", "CommConfig", "CheckConfig", "InitConfig", "Executor", "Compression", "ShardedGradScaler",
            "materialize", "param_groups", "FaultTolerance", "checkpoint", "debug"}
 
-# Each handle method and the function it stands for.
+# Each handle method and the function it stands for (checked in test_methods_match_the_functions).
 METHODS = {
     "no_sync": "hybridshard.runtime.engine.no_sync",
-    "set_requires_gradient_sync": "hybridshard.runtime.engine.no_sync",
+    "set_requires_gradient_sync": None,  # FSDP2's form of no_sync: no function of its own
     "clip_grad_norm_": "hybridshard.runtime.grad_norm.clip_grad_norm_",
     "full_state_dict": "hybridshard.checkpoint.full_state_dict",
     "load_full_state_dict": "hybridshard.checkpoint.load_full_state_dict",
@@ -118,6 +117,12 @@ def test_handle_methods_leave_hf_names_alone(kind):
     ours = {n for n in vars(HybridShardModule) if not n.startswith("_")}
     assert ours == {*METHODS, "hybridshard_runtime"}
     assert not ours & set(dir(type(model))), ours & set(dir(type(model)))
+
+
+def test_handle_methods_leave_lightning_names_alone():
+    lightning = pytest.importorskip("lightning.pytorch")
+    ours = {n for n in vars(HybridShardModule) if not n.startswith("_")}
+    assert not ours & set(dir(lightning.LightningModule))
 
 
 def test_options_take_enums_and_strings():
