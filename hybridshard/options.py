@@ -14,7 +14,8 @@ from typing import Any, Callable, Mapping
 
 import torch.nn as nn
 
-__all__ = ["CheckConfig", "CommConfig", "Compression", "Executor", "InitConfig", "parse_choice", "split_keywords"]
+__all__ = ["CheckConfig", "CommConfig", "Compression", "Executor", "InitConfig", "parse_choice", "record_keywords",
+           "split_keywords"]
 
 
 class Executor(str, enum.Enum):
@@ -123,6 +124,11 @@ class InitConfig:
 _GROUPS: dict[str, type] = {"comm": CommConfig, "checks": CheckConfig, "init": InitConfig}
 
 
+def record_keywords() -> dict[str, str]:
+    """``keyword -> record``: the keywords of ``shard`` that are fields of a record (``"prefetch": "comm"``)."""
+    return {f.name: group for group, cls in _GROUPS.items() for f in fields(cls)}
+
+
 def split_keywords(given: Mapping[str, Any], keywords: Mapping[str, Any]) -> dict[str, Any]:
     """The config records of ``shard``: ``given`` (``{"comm": CommConfig | None, ...}``) with the old
     keywords (``prefetch=``, ``check_steps=`` ...) folded into their records.
@@ -130,7 +136,7 @@ def split_keywords(given: Mapping[str, Any], keywords: Mapping[str, Any]) -> dic
     A keyword of no record is a ``TypeError`` (as Python raises for a function's unknown keyword); one
     given both alone and inside its record is a ``ValueError``.
     """
-    owner = {f.name: group for group, cls in _GROUPS.items() for f in fields(cls)}
+    owner = record_keywords()
     unknown = sorted(k for k in keywords if k not in owner)
     if unknown:
         raise TypeError(f"shard() got an unexpected keyword argument {unknown[0]!r}")

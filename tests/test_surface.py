@@ -184,14 +184,18 @@ def _grad_norm(model: nn.Module) -> float:
 def check_methods() -> dict:
     """FULL_SHARD over both ranks, every rank on the same batches, against one plain model."""
     ref, model = RM.make_model(), RM.make_model()
-    out = hs.shard(model, strategy="FULL_SHARD", wrap={RM.Block}, comm=CommConfig(executor=Executor.THREADS),
+    out = hs.shard(model, strategy="FULL_SHARD", wrap={RM.Block}, comm=CommConfig(executor=Executor.THREADS, replicate_compression=Compression.BF16),
                    checks=CheckConfig(check_steps=True))
     assert out is model and isinstance(model, hs.HybridShardModule) and isinstance(model, RM.TinyLM)
     assert type(model).__name__ == "HybridShardTinyLM"
     assert model.hybridshard_runtime is model._hybridshard_runtime
-    twin = hs.shard(RM.make_model(), strategy="FULL_SHARD", wrap={RM.Block}, prefetch=0, executor="threads")
+    twin = hs.shard(RM.make_model(), strategy="FULL_SHARD", wrap={RM.Block}, prefetch=0, executor="threads",
+                    replicate_compression="BF16")  # the old keywords, strings for the enums
     assert type(twin) is type(model), "sharding the same class twice reuses the class"
-    assert twin.hybridshard_runtime.prefetch_depth == 0
+    runtimes = (model.hybridshard_runtime, twin.hybridshard_runtime)
+    assert [r.prefetch_depth for r in runtimes] == [1, 0]
+    assert [r.compressor.mode for r in runtimes] == ["bf16", "bf16"]
+    assert type(runtimes[0].executor) is type(runtimes[1].executor)
     with pytest.raises(TypeError, match=r"^pickle expects a plain module, found a sharded HybridShardTinyLM"):
         pickle.dumps(model)
     with pytest.raises(TypeError, match=r"^pickle expects a plain module"):
