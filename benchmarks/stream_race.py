@@ -53,7 +53,7 @@ def main() -> int:
     mp = hs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     hs.shard(model, strategy="HYBRID_SHARD", mesh=mesh, wrap={RM.Block}, device=device, mixed_precision=mp,
              prefetch=1, overlap_grads=True, shard_optimizer_across_replicas=True)
-    replicas = {u.groups.replicate_size for u in model._hybridshard_runtime.units}
+    replicas = {u.groups.replicate_size for u in model.hybridshard_runtime.units}
     assert replicas == {dist.get_world_size()}, f"expected every unit replicated {dist.get_world_size()} times: {replicas}"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []

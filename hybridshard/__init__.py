@@ -9,70 +9,57 @@ gathers the probes and plans the shard and replicate groups (see :mod:`topology`
 # Groups (topology/groups.py)
 from hybridshard.topology.groups import ShardGroups, init_groups
 
-# The runtime (hybridshard/runtime/)
-from hybridshard.runtime.api import shard
-from hybridshard.runtime.counters import count_collectives
+# The surface: shard() and its handle class, options, and the checkpoint and debug namespaces
+from hybridshard.handle import HybridShardModule, shard
+from hybridshard.options import CheckConfig, CommConfig, Compression, Executor, InitConfig
 from hybridshard.runtime.deferred_init import materialize
+from hybridshard.runtime.grad_scaler import ShardedGradScaler
+from hybridshard.runtime.offload import CPUOffload
+from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
+from hybridshard.state.shapes import param_groups
+from hybridshard import checkpoint, debug
+
+# Fault-tolerant replicas on torchft (hybridshard/ft/; torchft is needed only to create the mode)
+from hybridshard.ft.mode import FaultTolerance
+
+# Aliases: every name exported before the surface above, the same objects (docs/api.md lists where each
+# lives now); importable, out of __all__.
+from hybridshard.runtime.counters import count_collectives
 from hybridshard.runtime.engine import no_sync
 from hybridshard.runtime.grad_norm import clip_grad_norm_
-from hybridshard.runtime.grad_scaler import ShardedGradScaler
 from hybridshard.runtime.issue_order import record_issue_order
 from hybridshard.runtime.layout import FlatLayout
-from hybridshard.runtime.offload import CPUOffload
 from hybridshard.runtime.replica_slices import gather_updated_params
 from hybridshard.runtime.stats import comm_stats
-from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.runtime.unit import ShardedState, TrainingState
-
-# State in and out (hybridshard/state/)
 from hybridshard.state.checkpoint import SaveResult, latest_checkpoint, load_checkpoint, save_checkpoint
 from hybridshard.state.full import full_state_dict, load_full_state_dict
 from hybridshard.state.optim import full_optim_state_dict, load_full_optim_state_dict
 from hybridshard.state.pretrained_load import LoadResult, load_pretrained
 from hybridshard.state.pretrained_save import save_pretrained
-from hybridshard.state.shapes import param_groups, param_shapes
+from hybridshard.state.shapes import param_shapes
 from hybridshard.state.replicas import ReplicaDivergence, check_replicas, maybe_check_replicas
 from hybridshard.state.trust import UnsafeCheckpointError
-
-# Fault-tolerant replicas on torchft (hybridshard/ft/; torchft is needed only to create the mode)
-from hybridshard.ft.mode import FaultTolerance
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CPUOffload",
-    "FlatLayout",
-    "MixedPrecision",
-    "ShardedGradScaler",
-    "ShardedState",
+    "shard",
+    "HybridShardModule",
+    "init_groups",
+    "ShardGroups",
     "ShardingStrategy",
-    "TrainingState",
-    "LoadResult",
-    "ReplicaDivergence",
-    "SaveResult",
-    "UnsafeCheckpointError",
-    "check_replicas",
-    "full_optim_state_dict",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "load_full_optim_state_dict",
-    "load_pretrained",
+    "MixedPrecision",
+    "CPUOffload",
+    "CommConfig",
+    "CheckConfig",
+    "InitConfig",
+    "Executor",
+    "Compression",
+    "ShardedGradScaler",
     "materialize",
     "param_groups",
-    "param_shapes",
-    "save_pretrained",
-    "maybe_check_replicas",
-    "save_checkpoint",
-    "clip_grad_norm_",
-    "comm_stats",
-    "count_collectives",
     "FaultTolerance",
-    "full_state_dict",
-    "gather_updated_params",
-    "load_full_state_dict",
-    "no_sync",
-    "record_issue_order",
-    "shard",
-    "ShardGroups",
-    "init_groups",
+    "checkpoint",
+    "debug",
 ]

@@ -70,7 +70,7 @@ def run(cfg: RM.Config, groups: hs.ShardGroups) -> dict:
     model = sharded_model(cfg, groups, device)
     home = torch.device("cpu") if cfg.offload else device
     assert all(p.device == home for p in model.parameters()), f"parameters not on {home}"
-    executor = model._hybridshard_runtime.executor
+    executor = model.hybridshard_runtime.executor
     assert executor.kind == "streams" and executor.streams.on_cuda, "CUDA must run the stream executor"
     opt = RM.make_optimizer(cfg, model.parameters())
     scaler = hs.ShardedGradScaler("cuda", init_scale=2.0**10) if cfg.fp16 else None

@@ -62,7 +62,7 @@ def main() -> None:
         with torch.no_grad():
             ref = AutoModelForCausalLM.from_pretrained(pretrained).eval()(**inputs).logits
             back = AutoModelForCausalLM.from_pretrained(export).eval()(**inputs).logits
-        units = model._hybridshard_runtime.units
+        units = model.hybridshard_runtime.units
         summary = {
             "device": str(device), "on_device": on_device, "world": dist.get_world_size(),
             "load_max_diff": (logits - ref).abs().max().item(), "export_max_diff": (back - ref).abs().max().item(),

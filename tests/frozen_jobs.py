@@ -61,7 +61,7 @@ def measure(kind: str, strategy: str, *, prefetch: int = 1, split: float | None 
         if live.labels.get(sid) == "unsharded buffer":
             gathered += change
             peak_gathered = max(peak_gathered, gathered)
-    units = model._hybridshard_runtime.units
+    units = model.hybridshard_runtime.units
     return {
         "static": static, "dynamic": live.peak(), "peak": sum(static.values()) + live.peak(),
         "gathered": peak_gathered, "alive_at_peak": alive, "comm": hs.comm_stats(model)["groups"],
@@ -105,7 +105,7 @@ def zero_grad_frees(strategy: str) -> dict:
     RM.lm_loss(model(tokens), tokens).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    units = model._hybridshard_runtime.units
+    units = model.hybridshard_runtime.units
     with LiveTensorBytes() as live:
         RM.lm_loss(model(tokens), tokens).backward()
         opt.step()

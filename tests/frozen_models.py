@@ -39,13 +39,13 @@ class _Probe(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        units = ctx.model._hybridshard_runtime.units
+        units = ctx.model.hybridshard_runtime.units
         ctx.model.seen.append(sorted(u.name for u in units if u.sharded_state is not ShardedState.SHARDED))
         return grad, None
 
 
 def _run_blocks(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if model.seen is not None and hasattr(model, "_hybridshard_runtime"):
+    if model.seen is not None and isinstance(model, hs.HybridShardModule):
         x = _Probe.apply(x, model)  # backward reaches it after every block
     for block in model.blocks:
         # Reentrant checkpointing needs an input that requires grad to give the block's parameters one.
@@ -198,7 +198,7 @@ def sharded_run(run: Run) -> dict[str, Any]:
         if run.clip is not None:
             norms.append(float(hs.clip_grad_norm_(model, run.clip)))
         opt.step()
-    units = model._hybridshard_runtime.units
+    units = model.hybridshard_runtime.units
     return {"losses": losses, "norms": norms, "state": hs.full_state_dict(model), "counts": counts,
             "units": [(u.name, u.strategy.name, u.expects_grad) for u in units], "seen": model.seen,
             "owner": {slot.name: u.name for u in units for slot in u.flat.layout.slots}}

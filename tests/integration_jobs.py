@@ -127,7 +127,7 @@ def hf_train(strategy: str, out: str, optim: str = "sgd") -> dict[str, Any]:
     result: dict[str, Any] = {
         "losses": _hf_losses(trainer), "state": hs.full_state_dict(model), "logits": logits_of(model),
         "grad_norms": _hf_losses(trainer, "grad_norm"), "learning_rates": _hf_losses(trainer, "learning_rate"),
-        "ddp": type(trainer.model_wrapped).__name__, "units": len(model._hybridshard_runtime.units),
+        "ddp": type(trainer.model_wrapped).__name__, "units": len(model.hybridshard_runtime.units),
     }
     trainer.save_model(out)
     result["checkpoints"] = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))
@@ -257,7 +257,7 @@ def lightning_train(strategy: str, out: str, epochs: int = 2, clip: float | None
     trainer = fit(module, None)
     result: dict[str, Any] = {
         "losses": _step_losses(module.losses), "strategy": type(trainer.strategy).__name__,
-        "units": len(module._hybridshard_runtime.units), "global_step": trainer.global_step,
+        "units": len(module.hybridshard_runtime.units), "global_step": trainer.global_step,
         "state": {k.removeprefix("llama."): v for k, v in hs.full_state_dict(module).items()},
         "checkpoints": sorted(os.listdir(out)),
     }
@@ -332,4 +332,4 @@ def fabric_train(out: str) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "resumed_norms": resumed_norms,
             "state": hs.full_state_dict(model), "resumed_losses": resumed_losses,
             "resumed_state": hs.full_state_dict(resumed), "strategy": type(fabric.strategy).__name__,
-            "units": len(model._hybridshard_runtime.units), "unknown_entry": unknown}
+            "units": len(model.hybridshard_runtime.units), "unknown_entry": unknown}

@@ -48,7 +48,7 @@ def load_logits(configs: list[tuple[str, str]], paths: dict[str, str]) -> list[d
     for kind, strategy in configs:
         model = sharded_meta(kind, strategy)
         result = hs.load_pretrained(model, paths[kind])
-        units = model._hybridshard_runtime.units
+        units = model.hybridshard_runtime.units
         hybrid = [u for u in units if u.groups.replicate_size > 1]
         out.append({
             "logits": logits(model), "result": result,
@@ -80,7 +80,7 @@ def memory(kind: str, strategy: str, path: str) -> dict[str, int]:
                  init_seed=SEED)
     with LiveTensorBytes() as live_load:
         hs.load_pretrained(model, path)
-    units = model._hybridshard_runtime.units
+    units = model.hybridshard_runtime.units
     return {
         "init_peak": live_init.peak(), "load_peak": live_load.peak(),
         "shards": sum(u.flat.layout.shard_numel * 4 for u in units),

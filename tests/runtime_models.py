@@ -308,7 +308,7 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
         "counts": counts,
         "clip_counts": clip_counts,
         "grad_dtypes": sorted(grad_dtypes),
-        "unit_strategies": [u.strategy.name for u in model._hybridshard_runtime.units],
+        "unit_strategies": [u.strategy.name for u in model.hybridshard_runtime.units],
     }
 
 

@@ -5,6 +5,7 @@ re-exports only at the top, no private names imported across packages, and one g
 from __future__ import annotations
 
 import ast
+import inspect
 import pathlib
 
 import pytest
@@ -70,7 +71,8 @@ def test_no_private_name_is_imported_across_packages():
 
 
 def test_no_module_shadows_a_public_function():
-    clashes = [n for n in hs.__all__ if f"hybridshard.{n}" in _modules()]
+    namespaces = {n for n in hs.__all__ if inspect.ismodule(getattr(hs, n))}  # hs.checkpoint, hs.debug: docs/api.md
+    clashes = [n for n in hs.__all__ if f"hybridshard.{n}" in _modules() and n not in namespaces]
     assert not clashes, f"hybridshard.<name> is both a function and a module: {clashes}"
 
 

@@ -207,7 +207,7 @@ def corrupt_and_check(strategy: str, corrupt_rank: int | None) -> str:
     model, _ = _sharded(strategy, seed=1)
     if dist.get_rank() == corrupt_rank:
         with torch.no_grad():
-            model._hybridshard_runtime.units[1].flat.sharded[3] += 1e-6
+            model.hybridshard_runtime.units[1].flat.sharded[3] += 1e-6
     try:
         hs.check_replicas(model)
     except hs.ReplicaDivergence as exc:

@@ -239,7 +239,7 @@ def stream_waits(strategy: str, *, sliced: bool = False, micro_rs: bool = False)
     hs.shard(model, strategy=strategy, groups=RM.groups(), wrap={RM.Block}, executor="emulate", prefetch=1,
              shard_optimizer_across_replicas=sliced)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    streams = model._hybridshard_runtime.executor.streams
+    streams = model.hybridshard_runtime.executor.streams
     queued = {}
     for step in range(2):
         tokens = RM.batch(step, 0, dist.get_rank(), 2)

@@ -155,7 +155,7 @@ def watch_stream_jobs(num_blocks: int = 4) -> dict:
 
     model = RM.make_model(num_blocks=num_blocks)
     hs.shard(model, strategy="HYBRID_SHARD", groups=RM.groups(), wrap={RM.Block}, executor="streams")
-    runtime = model._hybridshard_runtime
+    runtime = model.hybridshard_runtime
     jobs_seen, holding = [], []
     for unit in runtime.units:
         original = unit._post_backward

@@ -84,7 +84,7 @@ def test_hf_trainer_matches_one_process(runs, reference, strategy):
     ref = reference[HF_OPTIM[strategy]]
     for rank, r in enumerate(runs[strategy]):
         _check_parity(r["losses"], r["state"], ref, norms=r["grad_norms"])
-        assert r["ddp"] == "LlamaForCausalLM", f"rank {rank}: the Trainer wrapped the model in {r['ddp']}"
+        assert r["ddp"] == "HybridShardLlamaForCausalLM", f"rank {rank}: the Trainer wrapped the model in {r['ddp']}"
         assert r["units"] == 3  # two decoder layers (the default: _no_split_modules) and the root
 
 

@@ -168,7 +168,7 @@ class _Recorder:
 
 def _static_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     """What exists before the measured step, by distinct storage."""
-    units = model._hybridshard_runtime.units
+    units = model.hybridshard_runtime.units
     seen: set[int] = set()
 
     def count(tensors) -> int:
@@ -215,7 +215,7 @@ def measure(strategy: str, prefetch: int, overlap: bool) -> dict:
             finally:
                 rec.close()
         del x
-    units = model._hybridshard_runtime.units
+    units = model.hybridshard_runtime.units
     alive = live.alive_at_peak()
     by_label: dict[str, int] = {}
     for label, n in alive.values():

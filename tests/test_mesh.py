@@ -115,7 +115,7 @@ def hybridshard_run(cfg: RM.Config, *, via: str) -> dict:
     }[via]()
     hs.shard(model, strategy=cfg.strategy, wrap={RM.Block}, mixed_precision=mp, **where)
     out = _train(model, cfg, _hs_state, _hs_clip)
-    pair = model._hybridshard_runtime.units[0].groups
+    pair = model.hybridshard_runtime.units[0].groups
     out["sizes"] = (pair.shard_size, pair.replicate_size)
     from hybridshard.topology.groups import group_name
 

@@ -90,7 +90,7 @@ def observe_prefetch(depth: int, strategy: str = "HYBRID_SHARD", num_blocks: int
 
     model = RM.make_model(num_blocks=num_blocks)
     hs.shard(model, strategy=strategy, groups=RM.groups(), wrap={RM.Block}, prefetch=depth)
-    runtime = model._hybridshard_runtime
+    runtime = model.hybridshard_runtime
     blocks = runtime.units[1:]
     seen: dict[str, list] = {"forward": [], "backward": []}
     recording = [False]
@@ -159,14 +159,14 @@ def run_changing_order(depth: int, overlap: bool) -> dict:
         tokens = RM.batch(step, 0, 0, 2)
         loss = RM.lm_loss(model(tokens), tokens)
         loss.backward()
-        leftover.append([u.index for u in model._hybridshard_runtime.units[1:] if u.sharded_state is not ShardedState.SHARDED])
+        leftover.append([u.index for u in model.hybridshard_runtime.units[1:] if u.sharded_state is not ShardedState.SHARDED])
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     with torch.no_grad():  # an evaluation forward after a skipped-block step leaves nothing gathered
         model.skip = None
         model(RM.batch(9, 0, 0, 2))
-    leftover.append([u.index for u in model._hybridshard_runtime.units if u.sharded_state is not ShardedState.SHARDED])
+    leftover.append([u.index for u in model.hybridshard_runtime.units if u.sharded_state is not ShardedState.SHARDED])
     return {"losses": losses, "state": hs.full_state_dict(model), "leftover": leftover}
 
 
@@ -203,7 +203,7 @@ def run_with_slow_replicate(overlap: bool, delay: float) -> dict:
         model = RM.make_model(num_blocks=4)
         hs.shard(model, strategy="HYBRID_SHARD", groups=RM.groups(), wrap={RM.Block}, overlap_grads=overlap,
                  executor="threads")  # what is checked here is the communication thread
-        runtime = model._hybridshard_runtime
+        runtime = model.hybridshard_runtime
         in_flight: list[int] = []
         for unit in runtime.units:
             original = unit._post_backward
@@ -257,7 +257,7 @@ def measure_comm_stats(strategy: str, bf16: bool, compression: str | None = None
         RM.lm_loss(model(tokens), tokens).backward()
         opt.step()
         opt.zero_grad()
-    units = model._hybridshard_runtime.units
+    units = model.hybridshard_runtime.units
     return {"stats": hs.comm_stats(model), "padded": [u.flat.layout.padded_numel for u in units]}
 
 

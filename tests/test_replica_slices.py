@@ -232,12 +232,12 @@ def _features_job() -> dict:
     out: dict = {}
     model, opt = _train("HYBRID_SHARD", sliced=True, steps=1)
     hybrid, hybrid_opt = _train("HYBRID_SHARD", sliced=False, steps=1)
-    units = model._hybridshard_runtime.units
+    units = model.hybridshard_runtime.units
     out["owned_numel"] = sum(u.flat.owned_numel for u in units)
     out["trainable_local"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     out["padded_numel"] = sum(u.flat.layout.padded_numel for u in units)
     out["shard_numel"] = sum(u.flat.layout.shard_numel for u in units)
-    out["shard_numel_hybrid"] = sum(u.flat.layout.shard_numel for u in hybrid._hybridshard_runtime.units)
+    out["shard_numel_hybrid"] = sum(u.flat.layout.shard_numel for u in hybrid.hybridshard_runtime.units)
     out["optim_bytes"], out["optim_bytes_hybrid"] = _optim_bytes(opt), _optim_bytes(hybrid_opt)
     hs.comm_stats(model, reset=True), hs.comm_stats(hybrid, reset=True)
     _steps(model, opt, 1, offset=1, rank=dist.get_rank())
@@ -260,7 +260,7 @@ def _features_job() -> dict:
     # Mixed precision: the fp32 master exists for the slice only; the shard is kept in bf16.
     for name, sliced in (("master_bytes", True), ("master_bytes_hybrid", False)):
         low, _ = _train("HYBRID_SHARD", sliced=sliced, steps=1, bf16=True)
-        flats = [u.flat for u in low._hybridshard_runtime.units]
+        flats = [u.flat for u in low.hybridshard_runtime.units]
         out[name] = sum(f.owned.numel() * f.owned.element_size() for f in flats) + sum(
             f.sharded.numel() * f.sharded.element_size() for f in flats if f.separate_master)
         out[name + "_dtypes"] = sorted({str(p.dtype) for p in low.parameters()})

@@ -91,7 +91,7 @@ def check_eval_and_repeated_forwards(strategy):
     with torch.no_grad():
         out = model.eval()(tokens)
     torch.testing.assert_close(out, ref(tokens).detach(), atol=1e-5, rtol=1e-5)
-    runtime = model._hybridshard_runtime
+    runtime = model.hybridshard_runtime
     assert all(u.sharded_state is hs.ShardedState.SHARDED for u in runtime.units)
     assert all(isinstance(p, nn.Parameter) for _, p in model.named_parameters())
     # Two forwards, one backward: gradients equal the reference's on the same two batches.
@@ -277,7 +277,7 @@ def test_bad_input(pool, case, expected):
 def _grads_match_reference(model, ref):
     """Every parameter's sharded ``.grad`` equals the reference's (same batch on every rank)."""
     ref_grads = dict((n, p.grad) for n, p in ref.named_parameters())
-    for unit in model._hybridshard_runtime.units:
+    for unit in model.hybridshard_runtime.units:
         for slot, part, p in zip(unit.flat.layout.slots, unit.flat.local, unit.flat.params):
             want = ref_grads[slot.name]
             assert (p.grad is None) == (want is None), (slot.name, p.grad, want)
@@ -334,7 +334,7 @@ def check_backward_that_raises(strategy):
     for m in (ref, model):
         RM.lm_loss(m(tokens), tokens).backward()
     _grads_match_reference(model, ref)
-    runtime = model._hybridshard_runtime
+    runtime = model.hybridshard_runtime
     assert not runtime.in_backward
     assert all(u.sharded_state is hs.ShardedState.SHARDED and u.training_state is hs.TrainingState.IDLE for u in runtime.units)
     return True

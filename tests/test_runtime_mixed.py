@@ -93,7 +93,7 @@ def check_mixed_state_dict_and_sync():
     keys_before = list(model.state_dict().keys())
     chosen = dict(zip(model.blocks, MIXED))
     hs.shard(model, strategy="FULL_SHARD", wrap=lambda m: chosen.get(m, False), sync_module_states=True)
-    units = model._hybridshard_runtime.units
+    units = model.hybridshard_runtime.units
     sizes = [(u.strategy.name, u.groups.shard_size, u.groups.replicate_size) for u in units]
     assert sizes == [("FULL_SHARD", 4, 1), ("HYBRID_SHARD", 2, 2), ("NO_SHARD", 1, 4), ("HYBRID_SHARD_ZERO2", 2, 2)]
     assert [(n, id(p)) for n, p in model.named_parameters()] == names_before

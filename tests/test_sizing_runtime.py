@@ -80,7 +80,7 @@ def one_step(strategy: str, model_name: str, bf16: bool) -> dict:
     with hs.count_collectives() as counts:
         batch_loss().backward()
     opt.step()
-    units = model._hybridshard_runtime.units
+    units = model.hybridshard_runtime.units
     pair = units[0].groups
     groups = {"shard": pair.shard, "replicate": pair.replicate, "world": None}
     return {

@@ -253,6 +253,6 @@ def lightning_resume_tampered(root: str, marker: str) -> dict[str, Any]:
         module = Lit(1)
         before = {k: v.detach().clone() for k, v in module.state_dict().items()}
         out[kind] = first_line(lambda m=module, p=path: fit(m, p, epochs=2))
-        after = hs.full_state_dict(module) if hasattr(module, "_hybridshard_runtime") else module.state_dict()
+        after = hs.full_state_dict(module) if isinstance(module, hs.HybridShardModule) else module.state_dict()
         out[f"{kind} unchanged"] = _same(before, after)
     return out

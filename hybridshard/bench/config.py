@@ -111,9 +111,11 @@ _FIXED_BY_BENCH = ("model", "strategy", "groups", "mesh", "wrap", "device")
 def shard_options() -> list[str]:
     """The keyword options of :func:`hybridshard.shard` a variant may set (those the bench fixes excluded)."""
     from hybridshard import shard
+    from hybridshard.options import record_keywords
 
     params = inspect.signature(shard).parameters.values()
-    return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in _FIXED_BY_BENCH]
+    names = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in _FIXED_BY_BENCH]
+    return names + list(record_keywords())  # prefetch=, check_steps= ... (each a field of comm=, checks=, init=)
 
 
 def contestants(systems: Sequence[System], variants: Sequence[Contestant]) -> list[Contestant]:

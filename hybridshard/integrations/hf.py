@@ -100,8 +100,9 @@ class HybridShardTrainer(Trainer):
         """[Note: accumulation as no_sync]
         Before each micro-batch the ``Trainer`` sets accelerate's ``sync_gradients``: false for every
         micro-batch of an accumulation window but the last. It then enters ``accelerator.no_sync``,
-        which looks for DDP's ``model.no_sync`` and finds none here; so the micro-batches that must not
-        synchronise run inside :func:`hybridshard.no_sync`, and the last one's backward reduces the
+        which looks for DDP's ``model.no_sync``: it finds the handle's when the model itself was sharded,
+        none when a submodule was. So the micro-batches that must not synchronise also run inside
+        :func:`hybridshard.no_sync` (which joins an open block), and the last one's backward reduces the
         window's gradients at once, as one backward over all of them would."""
         if self.accelerator.sync_gradients:
             return super().training_step(model, inputs, num_items_in_batch)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,8 @@ from hybridshard.runtime.compile import compile_units, parse_compile
 from hybridshard.runtime.build import broadcast_from_rank0, build_unit, distinct, rank0_initial_seed, rank0_shard_index
 from hybridshard.runtime.engine import Runtime, holds_sharded_module
 from hybridshard.runtime.executor import resolve_executor
-from hybridshard.runtime.offload import parse_offload
+from hybridshard.options import CheckConfig, CommConfig, InitConfig, split_keywords
+from hybridshard.runtime.offload import CPUOffload, parse_offload
 from hybridshard.runtime.replica_slices import SliceSync
 from hybridshard.runtime.model_check import INIT_SEED, check_devices, check_same_model
 from hybridshard.runtime.state_guard import guard_state_dict
@@ -33,26 +34,27 @@ def shard(
     model: nn.Module,
     *,
     strategy: ShardingStrategy | str = ShardingStrategy.HYBRID_SHARD,
-    groups: Any = None,
+    groups: ShardGroups | None = None,
     mesh: Any = None,
     wrap: WrapPolicy = None,
     mixed_precision: MixedPrecision | None = None,
     device: torch.device | str | None = None,
-    sync_module_states: bool = False,
-    debug: bool | None = None,
-    prefetch: int = 1,
-    overlap_grads: bool = True,
-    replicate_compression: str | None = None,
-    check_steps: bool = True,
+    offload: CPUOffload | bool | None = None,
+    comm: CommConfig | None = None,
+    checks: CheckConfig | None = None,
+    init: InitConfig | None = None,
     split_frozen: float | None = 0.5,
-    executor: str | None = None,
-    offload: Any = None,
-    param_init_fn: Callable[[nn.Module], None] | None = None,
-    init_seed: int | None = None,
     shard_optimizer_across_replicas: bool = False,
     compile: bool | dict[str, Any] = False,
+    **keywords: Any,
 ) -> nn.Module:
     """Shard ``model`` in place and return it.
+
+    ``comm`` (:class:`~hybridshard.CommConfig`: ``prefetch``, ``overlap_grads``, ``replicate_compression``,
+    ``executor``), ``checks`` (:class:`~hybridshard.CheckConfig`: ``check_steps``, ``debug``) and ``init``
+    (:class:`~hybridshard.InitConfig`: ``sync_module_states``, ``param_init_fn``, ``init_seed``) group the
+    options below; each field may also be passed as a keyword of its own name, as before (docs/api.md).
+    :func:`hybridshard.shard` also extends the model's class with :class:`hybridshard.HybridShardModule`.
 
     ``strategy`` applies to the root unit and to every unit the ``wrap`` policy gives no strategy
     of its own (see :mod:`hybridshard.runtime.wrap` for per-unit strategies). Units with a hybrid strategy
@@ -126,9 +128,12 @@ def shard(
     ``.half()``, ``.cuda()`` ...) raises a ``ValueError``; one that changes nothing works as before
     (see [Note: converting a sharded model] in :mod:`hybridshard.runtime.engine`).
     """
-    for flag, value in (("overlap_grads", overlap_grads), ("check_steps", check_steps)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{flag} must be True or False; got {value!r}")
+    configs = split_keywords({"comm": comm, "checks": checks, "init": init}, keywords)
+    comm, checks, init = configs["comm"], configs["checks"], configs["init"]
+    prefetch, overlap_grads, replicate_compression, executor = (
+        comm.prefetch, comm.overlap_grads, comm.replicate_compression, comm.executor)
+    check_steps, debug = checks.check_steps, checks.debug
+    sync_module_states, param_init_fn, init_seed = init.sync_module_states, init.param_init_fn, init.init_seed
     if split_frozen is not None and (isinstance(split_frozen, bool) or not isinstance(split_frozen, (int, float))
                                      or not 0 <= split_frozen <= 1):
         raise ValueError(
@@ -140,7 +145,7 @@ def shard(
     if replicate_compression is not None:
         from hybridshard.runtime.compression import ReplicateCompressor, parse_compression
 
-        mode = parse_compression(replicate_compression)
+        mode = parse_compression(replicate_compression.value)
         compressor = ReplicateCompressor(mode) if mode is not None else None
     if debug is not None:
         agreement.set_debug(debug)
@@ -160,7 +165,7 @@ def shard(
     _check_optimizer_slicing(shard_optimizer_across_replicas, strategy, strategies, offload)
     by_strategy, groups = _resolve_groups(strategies, groups, mesh)
     device = _resolve_device(device, groups)
-    executor_kind = resolve_executor(executor, device)
+    executor_kind = resolve_executor(None if executor is None else executor.value, device)
     offload_policy = parse_offload(offload)
     check_devices(model, device)
     plan = [(spec.name or "<root>", s.name) for spec, s in zip(specs, strategies)]

@@ -355,12 +355,20 @@ def no_sync(model: nn.Module, *, reduce_scatter: bool = False) -> Iterator[None]
     only the all-reduce across the replicate group waits for the backward after the block, which
     divides the cross-group traffic by the number of micro-batches. Either way the result equals
     one backward over the concatenated micro-batches. What the block holds joins ``.grad`` at that
-    next backward; ``optimizer.zero_grad()`` before it does not clear it.
+    next backward; ``optimizer.zero_grad()`` before it does not clear it. A block opened inside an
+    open block of the same kind joins it.
     """
     runtime = get_runtime(model)
+    mode = SyncMode.SHARD_ONLY if reduce_scatter else SyncMode.LOCAL
+    if runtime.sync_mode is mode:  # joins the open block: accelerate enters model.no_sync around a Trainer's own
+        yield
+        return
     if runtime.sync_mode is not SyncMode.SYNC:
-        raise ValueError("no_sync blocks do not nest: leave the open block first")
-    runtime.sync_mode = SyncMode.SHARD_ONLY if reduce_scatter else SyncMode.LOCAL
+        raise ValueError(
+            f"no_sync(reduce_scatter={reduce_scatter}) expects no open block or one of the same kind, found one with "
+            f"reduce_scatter={not reduce_scatter}; leave the open block first"
+        )
+    runtime.sync_mode = mode
     try:
         yield
     finally:

@@ -34,7 +34,8 @@ class ShardingStrategy(enum.Enum):
         if isinstance(value, str) and value.upper() in cls.__members__:
             return cls[value.upper()]
         names = ", ".join(cls.__members__)
-        raise ValueError(f"strategy must be a ShardingStrategy or one of {names} (any case); got {value!r}")
+        raise ValueError(f"strategy must be a ShardingStrategy or one of {names} (any case); got {value!r}; "
+                         "pass e.g. strategy='HYBRID_SHARD' or hybridshard.ShardingStrategy.HYBRID_SHARD")
 
     @property
     def is_hybrid(self) -> bool:
