@@ -4,8 +4,8 @@
 When a rank dies (killed, or raised and exited), its peers' pending collective fails: at once with
 gloo ("connection reset by peer"), after the process group's timeout with NCCL or when the rank is
 alive but elsewhere. The backend's message names an address at best. So a rank whose collective
-failed asks every rank where it is through the job's store (see [Note: asking every rank where it
-is] in :mod:`hybridshard.runtime.peers`) and builds its error from the answers, cause first:
+failed reads where every rank is from the job's store (see [Note: heartbeats] in
+:mod:`hybridshard.runtime.peers`) and builds its error from what they say, cause first:
 
 - a rank that raised (one of the runtime's errors, :func:`announce`, or any uncaught exception, see
   :mod:`hybridshard.runtime.exits`): ``rank 1 raised ValueError: a bad batch``;
@@ -26,9 +26,9 @@ a collective whose peer died or hung stays queued on the device until the proces
 its sockets (a frozen node, a stopped process) holds the others just as long. So the runtime's
 watchdog thread (:mod:`hybridshard.runtime.watchdog`) looks at every collective of this rank still
 in flight after ``HYBRIDSHARD_FAULT_SECONDS`` (60 by default; 0 turns it off) and asks every rank
-where it is, once per collective. When every rank of the collective's group answers, nothing
+where it is, once per collective. When every rank of the collective's group beats, nothing
 happens (a slow collective, or a peer busy elsewhere: the hang report comes later). When one of
-them raised, left, or answers nothing twice (3 s, then 9 s more), the rank logs the same message a
+them raised, left, or its heartbeat stood still twice (3 s, then 9 s more), the rank logs the same message a
 failing collective raises (cause first, every rank's answer, what to do), publishes that it failed,
 and stops with status 1: the launcher then stops or restarts the job, minutes before the timeout,
 and every rank's log names the lost one.
@@ -49,6 +49,7 @@ import torch.distributed as dist
 from hybridshard.runtime import peers
 from hybridshard.runtime.peers import table
 from hybridshard.runtime.position import current_where
+from hybridshard.runtime.rank_state import current
 from hybridshard.topology.groups import group_ranks
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,13 @@ def peers_gone(kind: str, group_label: str, ranks: list[int], where: str, in_fli
 
 def stop_now(status: int = 1) -> None:
     """End the process at once with ``status``, its output flushed: the job cannot go on and waiting
-    for the backend's timeout would only hide why."""
+    for the backend's timeout would only hide why. A rank of the scale harness is stopped by its
+    plane's ``on_stop`` instead (see [Note: one control plane per rank] in
+    :mod:`hybridshard.runtime.rank_state`)."""
+    on_stop = current().on_stop
+    if on_stop is not None:
+        on_stop(status)
+        return
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -1,0 +1,378 @@
+"""The control plane at W ranks on one machine: the project's real heartbeat, watchdog and fault-check
+code, one thread per rank, one real TCPStore.
+
+    python benchmarks/control_plane_scale.py --world 64 256 1024 4096
+
+Prints one JSON line per W (lines starting with ``{``; everything else is commentary) and, with
+``--plot PATH`` and matplotlib installed, a log-log plot of each figure against W.
+
+What runs for real, per simulated rank: its own :class:`~hybridshard.runtime.rank_state.ControlPlane`
+with its own TCPStore client (libuv server, one per W), its watchdog thread (heartbeats, the fault
+check of :mod:`hybridshard.runtime.faults`, the hang report) and the registry of collectives in
+flight. What is simulated: a collective is a registered entry, never a transfer (no model compute, no
+process group); a rank's death is its watchdog thread stopping with its store connection left open,
+as a frozen process's (threads cannot be SIGKILLed, and a SIGKILL'd process on gloo fails its peers'
+collectives at once, the easy case); rank 0's checkpoint stall is rank 0 outside any collective
+while every other rank's collective waits on it.
+
+Timing under the GIL on 2 cores measures the harness too. Store operations and bytes are counted
+exactly (a counting wrapper around each rank's client); times are wall clock, and each phase reports
+``lag_ms``: how late a thread that sleeps 50 ms wakes, worst case over the phase, the delay every
+simulated rank's thread saw on top of the control plane's own time. Init and checkpoint metadata are
+the bytes of the real payloads (each rank's probe from the NVML fixtures, 8 ranks a node) that
+``all_gather_object`` moves, and the real per-rank planning code timed once; process groups are not
+created (neither ``split_group`` nor ``new_group`` is measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import math
+import os
+import pickle
+import re
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from hybridshard.runtime import peers, watchdog
+from hybridshard.runtime.rank_state import ControlPlane, bound
+
+FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "nvml" / "dgx_h100_nvswitch.json"
+RANKS_PER_NODE = 8
+STALL_FACTOR = 1.5
+"""The stall is 90 s against the default HYBRIDSHARD_FAULT_SECONDS of 60: scaled alike."""
+ALPHA_S = 5e-6
+"""Latency of one message between nodes (the α of the α-β model)."""
+BETA_S_PER_BYTE = 1 / 25e9
+"""Seconds per byte at 25 GB/s (one 200 Gb/s NIC per GPU)."""
+
+
+class CountingStore:
+    """A store client that counts its operations and bytes (exact, whatever the timing)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.ops, self.reads, self.sent, self.received = inner, 0, 0, 0, 0
+
+    def set(self, key: str, value: bytes) -> None:
+        self.ops += 1
+        self.sent += len(key) + len(value)
+        self.inner.set(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        self.ops += 1
+        self.reads += 1
+        self.sent += sum(map(len, keys))
+        return self.inner.check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        values = self.inner.multi_get(keys)
+        self.ops += 1
+        self.reads += 1
+        self.sent += sum(map(len, keys))
+        self.received += sum(map(len, values))
+        return values
+
+    def get(self, key: str) -> bytes:
+        value = self.inner.get(key)
+        self.ops += 1
+        self.reads += 1
+        self.sent += len(key)
+        self.received += len(value)
+        return value
+
+    def add(self, key: str, n: int) -> int:
+        self.ops += 1
+        self.reads += 1
+        self.sent += len(key) + 8
+        self.received += 8
+        return self.inner.add(key, n)
+
+
+class Lag:
+    """How late a sleeping thread wakes: the harness's own share of every timing (GIL, 2 cores)."""
+
+    def __init__(self) -> None:
+        self.worst, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic()
+            time.sleep(0.05)
+            self.worst = max(self.worst, time.monotonic() - t - 0.05)
+
+    def reset(self) -> float:
+        worst, self.worst = self.worst, 0.0
+        return worst
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Job:
+    """W ranks: one plane, one store client and one watchdog thread each."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=60))
+        self.stopped: dict[int, tuple[float, str]] = {}
+        # [Note: connecting in parallel] A client's connect now and then takes 5 s here (a retried SYN,
+        # seen with either server): thousands of them one after another would take many minutes.
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            clients = list(pool.map(lambda _: dist.TCPStore("127.0.0.1", self.server.port, is_master=False,
+                                                            use_libuv=True, timeout=timedelta(seconds=60)),
+                                    range(world)))
+        self.planes: list[ControlPlane] = []
+        for rank, client in enumerate(clients):
+            plane = ControlPlane(CountingStore(client), rank, world)
+            plane.is_ready = lambda: True
+            plane.on_stop = self._on_stop(rank, plane)
+            self.planes.append(plane)
+
+    def _on_stop(self, rank: int, plane: ControlPlane) -> Any:
+        def stop(status: int) -> None:  # what faults.stop_now does to a process: its report is its last word
+            text = (plane.final or {}).get("text", "")
+            self.stopped[rank] = (time.monotonic(), text)
+            plane.stop.set()
+        return stop
+
+    def start(self) -> None:
+        for plane in self.planes:
+            with bound(plane):
+                watchdog.start()
+
+    def counts(self) -> tuple[int, int, int]:
+        stores = [p.found["store"] for p in self.planes]
+        return sum(s.ops for s in stores), sum(s.reads for s in stores), sum(s.sent + s.received for s in stores)
+
+    def begin_all(self, ranks: range) -> dict[int, int]:
+        tokens = {}
+        for r in ranks:
+            with bound(self.planes[r]):
+                tokens[r] = watchdog.begin("all_reduce", "world", range(self.world), 1 << 20)
+        return tokens
+
+    def end_all(self, tokens: dict[int, int]) -> None:
+        for r, token in tokens.items():
+            with bound(self.planes[r]):
+                watchdog.end(token)
+
+    def close(self) -> None:
+        for plane in self.planes:
+            plane.stop.set()
+        for plane in self.planes:
+            if plane.thread is not None:
+                plane.thread.join(timeout=10)
+
+
+def _set_limits(fault_s: float | None) -> None:
+    if fault_s is None:
+        os.environ.pop("HYBRIDSHARD_FAULT_SECONDS", None)
+        os.environ.pop("HYBRIDSHARD_HANG_SECONDS", None)
+    else:
+        os.environ["HYBRIDSHARD_FAULT_SECONDS"] = str(fault_s)
+        os.environ["HYBRIDSHARD_HANG_SECONDS"] = str(5 * fault_s)  # 300 s against 60 s, scaled alike
+
+
+def healthy(job: Job, seconds: float, lag: Lag) -> dict[str, float]:
+    """Every rank in a collective, nobody stuck: the heartbeats are the only store traffic."""
+    _set_limits(None)
+    tokens = job.begin_all(range(job.world))
+    ops0, _, bytes0 = job.counts()
+    lag.reset()
+    time.sleep(seconds)
+    ops1, _, bytes1 = job.counts()
+    job.end_all(tokens)
+    per = job.world * seconds
+    return {"store_ops_per_rank_per_s": (ops1 - ops0) / per, "store_bytes_per_rank_per_s": (bytes1 - bytes0) / per,
+            "healthy_lag_ms": 1e3 * lag.reset()}
+
+
+def stall(job: Job, fault_s: float, lag: Lag) -> dict[str, float]:
+    """Rank 0 outside any collective for STALL_FACTOR x the fault limit, every other rank waiting on it."""
+    _set_limits(fault_s)
+    tokens = job.begin_all(range(1, job.world))
+    ops0, reads0, bytes0 = job.counts()
+    lag.reset()
+    time.sleep(STALL_FACTOR * fault_s)
+    deadline = time.monotonic() + 4 * peers.REPORT_SECONDS  # checks that began still finish
+    while time.monotonic() < deadline and any(p.override is not None for p in job.planes):
+        time.sleep(0.1)
+    checks = sum(1 for p in job.planes for e in list(p.in_flight.values()) if e.checked)
+    job.end_all(tokens)
+    ops1, reads1, bytes1 = job.counts()
+    checks = max(checks, 1)
+    return {"false_reports": len(job.stopped), "stall_checks": checks,
+            "store_ops_per_check_per_rank": (reads1 - reads0) / checks + 1,  # + the ask's own heartbeat
+            "store_bytes_per_check_per_rank": (bytes1 - bytes0) / checks, "stall_lag_ms": 1e3 * lag.reset(),
+            "stall_total_ops": ops1 - ops0}
+
+
+def detect(job: Job, fault_s: float, lag: Lag, victim: int) -> dict[str, float]:
+    """Every rank in a collective; the victim's threads stop at t0. Time until every survivor named it."""
+    _set_limits(fault_s)
+    job.stopped.clear()
+    tokens = job.begin_all(range(job.world))
+    t0 = time.monotonic()
+    job.planes[victim].stop.set()
+    lag.reset()
+    survivors = [r for r in range(job.world) if r != victim]
+    deadline = t0 + fault_s + 8 * peers.REPORT_SECONDS + 60
+    while time.monotonic() < deadline and len(job.stopped) < len(survivors):
+        time.sleep(0.1)
+    named = re.compile(rf"\brank {victim} was lost|\branks [0-9, ]*\b{victim}\b[0-9, ]* were lost")
+    right = [r for r in survivors if r in job.stopped and named.search(job.stopped[r][1])]
+    last = max((job.stopped[r][0] for r in right), default=float("nan"))
+    job.end_all(tokens)
+    return {"detected": len(right), "survivors": len(survivors), "detect_s": last - t0,
+            "detect_after_check_s": last - t0 - fault_s, "detect_lag_ms": 1e3 * lag.reset()}
+
+
+def _probes(world: int) -> list[Any]:
+    from hybridshard.topology.nvml_recorded import FakeNvml
+    from hybridshard.topology.probe import probe_rank
+
+    data = json.loads(FIXTURE.read_text())
+    base = probe_rank(rank=0, local_rank=0, world_size=world, nvml=FakeNvml(data), env={})
+    uuids = [g.uuid for g in base.node.gpus]
+    out = []
+    for rank in range(world):
+        node, local = divmod(rank, RANKS_PER_NODE)
+        probe_node = dataclasses.replace(base.node, hostname=f"node{node:05d}")
+        out.append(dataclasses.replace(base, rank=rank, local_rank=local, node=probe_node,
+                                       gpu_uuid=uuids[local % len(uuids)]))
+    return out
+
+
+def _gathered_bytes(payloads: list[Any]) -> int:
+    """What ``all_gather_object`` leaves on each rank: W sizes, then W buffers of the largest pickle."""
+    sizes = [len(pickle.dumps(p)) for p in payloads]
+    return 8 * len(sizes) + len(sizes) * max(sizes)
+
+
+def init_and_checkpoint(world: int) -> dict[str, float]:
+    from hybridshard.topology.cluster import assemble_cluster
+    from hybridshard.topology.planner import plan_groups
+    from hybridshard.topology.records import RankProbe
+
+    probes = _probes(world)
+    dicts = [p.to_dict() for p in probes]
+    t = time.perf_counter()
+    cluster = assemble_cluster([RankProbe.from_dict(d) for d in dicts])
+    plan_groups(cluster)
+    init_s = time.perf_counter() - t
+    nodes = [f"node{r // RANKS_PER_NODE:05d}" for r in range(world)]
+    ckpt = _gathered_bytes(nodes) + _gathered_bytes([1 << 40] * world)  # node names, then bytes written
+    return {"init_s": init_s, "init_bytes_per_rank": _gathered_bytes(dicts), "ckpt_meta_bytes_per_rank": ckpt}
+
+
+def step_check_model(world: int) -> dict[str, float]:
+    """Today's check (all-gather of 6 int64 per rank, ring) against a tree all-reduce of a fixed 12-int64
+    digest (min and max of the 6), under the α-β model; seconds per check."""
+    ring = (world - 1) * (ALPHA_S + 48 * BETA_S_PER_BYTE)
+    tree = 2 * math.ceil(math.log2(world)) * (ALPHA_S + 96 * BETA_S_PER_BYTE)
+    return {"step_check_bytes_per_rank": 48 * world, "step_check_ring_s": ring, "step_check_tree_s": tree}
+
+
+def run(world: int, fault_s: float, healthy_s: float, faults: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"world": world, "fault_seconds": fault_s}
+    out.update(init_and_checkpoint(world))
+    out.update(step_check_model(world))
+    if not faults:
+        return out
+    lag = Lag()
+    t = time.monotonic()
+    job = Job(world)
+    job.start()
+    out["start_s"] = time.monotonic() - t
+    try:
+        time.sleep(2.0)  # every rank beat once
+        out.update(healthy(job, healthy_s, lag))
+        out.update(stall(job, fault_s, lag))
+        out.update(detect(job, fault_s, lag, victim=world // 2 + 1))
+    finally:
+        job.close()
+        lag.stop()
+    return out
+
+
+def _fit(results: list[dict[str, Any]], key: str) -> float | None:
+    pts = [(math.log(r["world"]), math.log(r[key])) for r in results if r.get(key, 0) > 0]
+    if len(pts) < 2:
+        return None
+    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+    den = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / den if den else None
+
+
+PLOTTED = ("init_s", "init_bytes_per_rank", "store_ops_per_rank_per_s", "store_ops_per_check_per_rank",
+           "store_bytes_per_check_per_rank", "detect_s", "ckpt_meta_bytes_per_rank", "step_check_ring_s",
+           "step_check_tree_s")
+
+
+def plot(results: list[dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"no plot: matplotlib is not installed (pip install matplotlib), so {path} was not written")
+        return
+    fig, ax = plt.subplots(figsize=(8, 6))
+    worlds = [r["world"] for r in results]
+    for key in PLOTTED:
+        ys = [r.get(key) for r in results]
+        if all(isinstance(y, (int, float)) and y > 0 for y in ys):
+            ax.plot(worlds, ys, marker="o", label=key)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("world size W (ranks, 8 per node)")
+    ax.set_title("hybridshard control plane against W (benchmarks/control_plane_scale.py)")
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    print(f"plot written to {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--fault-seconds", type=float,
+                        default=float(os.environ.get("HYBRIDSHARD_FAULT_SECONDS", "4")),
+                        help="HYBRIDSHARD_FAULT_SECONDS for the stall and death phases (the stall lasts 1.5x it)")
+    parser.add_argument("--healthy-seconds", type=float, default=5.0)
+    parser.add_argument("--no-faults", action="store_true", help="only the init, checkpoint and model figures")
+    parser.add_argument("--plot", default=None, help="write a log-log PNG here (needs matplotlib)")
+    args = parser.parse_args(argv)
+    if any(w < 2 or w % RANKS_PER_NODE for w in args.world):
+        raise SystemExit(f"--world expects multiples of {RANKS_PER_NODE} (ranks per node); got {args.world}")
+    threading.stack_size(512 * 1024)  # thousands of watchdog threads
+    # Each rank's report is read from what it published; thousands of them on stderr would drown the figures.
+    logging.getLogger("hybridshard").setLevel(logging.CRITICAL + 1)
+    results = []
+    for world in args.world:
+        result = run(world, args.fault_seconds, args.healthy_seconds, not args.no_faults)
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    if len(results) > 1:
+        fits = {key: _fit(results, key) for key in PLOTTED}
+        print("log-log exponents (figure ~ W^k): " + ", ".join(f"{k}={v:.2f}" for k, v in fits.items() if v is not None))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
