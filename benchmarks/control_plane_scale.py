@@ -19,9 +19,11 @@ Timing under the GIL on 2 cores measures the harness too. Store operations and b
 exactly (a counting wrapper around each rank's client); times are wall clock, and each phase reports
 ``lag_ms``: how late a thread that sleeps 50 ms wakes, worst case over the phase, the delay every
 simulated rank's thread saw on top of the control plane's own time. Init and checkpoint metadata are
-the bytes of the real payloads (each rank's probe from the NVML fixtures, 8 ranks a node) that
-``all_gather_object`` moves, and the real per-rank planning code timed once; process groups are not
-created (neither ``split_group`` nor ``new_group`` is measured).
+the bytes of the real payloads (each rank's probe from the NVML fixtures, 8 ranks a node) that the
+object collectives of :func:`~hybridshard.topology.summary.gather_summary` (and, for comparison, the
+``all_gather_object`` it replaced) move, and the real assembly and planning code timed once; the
+collectives are not run and process groups are not created (neither ``split_group`` nor
+``new_group`` is measured).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import re
 import sys
 import threading
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -241,41 +244,61 @@ def detect(job: Job, fault_s: float, lag: Lag, victim: int) -> dict[str, float]:
 
 
 def _probes(world: int) -> list[Any]:
+    """Every rank's real probe: one per node from the NVML fixture, node names and local ranks filled in."""
     from hybridshard.topology.nvml_recorded import FakeNvml
     from hybridshard.topology.probe import probe_rank
 
     data = json.loads(FIXTURE.read_text())
-    base = probe_rank(rank=0, local_rank=0, world_size=world, nvml=FakeNvml(data), env={})
-    uuids = [g.uuid for g in base.node.gpus]
     out = []
-    for rank in range(world):
-        node, local = divmod(rank, RANKS_PER_NODE)
-        probe_node = dataclasses.replace(base.node, hostname=f"node{node:05d}")
-        out.append(dataclasses.replace(base, rank=rank, local_rank=local, node=probe_node,
-                                       gpu_uuid=uuids[local % len(uuids)]))
+    for node in range(world // RANKS_PER_NODE):
+        env = {"HYBRIDSHARD_NODE_NAME": f"node{node:05d}"}
+        base = probe_rank(rank=0, local_rank=0, world_size=world, nvml=FakeNvml(data), env=env)
+        # Every node's GPUs get their own UUIDs, as real ones have (the fixture has one node's).
+        gpus = tuple(dataclasses.replace(g, uuid=f"GPU-{uuid.uuid5(uuid.NAMESPACE_OID, f'{node}/{g.index}')}")
+                     for g in base.node.gpus)
+        base = dataclasses.replace(base, node=dataclasses.replace(base.node, hostname=f"node{node:05d}", gpus=gpus),
+                                   visible_gpu_uuids=tuple(g.uuid for g in gpus))
+        uuids = [g.uuid for g in gpus]
+        for local in range(RANKS_PER_NODE):
+            out.append(dataclasses.replace(base, rank=node * RANKS_PER_NODE + local, local_rank=local,
+                                           gpu_uuid=uuids[local % len(uuids)]))
     return out
+
+
+def _sent(obj: Any) -> int:
+    """Bytes one object collective moves for ``obj``: its size (int64), then its pickle."""
+    return 8 + len(pickle.dumps(obj))
 
 
 def _gathered_bytes(payloads: list[Any]) -> int:
     """What ``all_gather_object`` leaves on each rank: W sizes, then W buffers of the largest pickle."""
-    sizes = [len(pickle.dumps(p)) for p in payloads]
-    return 8 * len(sizes) + len(sizes) * max(sizes)
+    return 8 * len(payloads) + len(payloads) * max(_sent(p) - 8 for p in payloads)
 
 
 def init_and_checkpoint(world: int) -> dict[str, float]:
-    from hybridshard.topology.cluster import assemble_cluster
+    """Bytes of :func:`hybridshard.topology.summary.gather_summary`'s four collectives, from the real
+    payloads, and rank 0's time through it plus a rank's planning (the critical path of init)."""
+    from hybridshard.topology import summary
     from hybridshard.topology.planner import plan_groups
-    from hybridshard.topology.records import RankProbe
 
     probes = _probes(world)
-    dicts = [p.to_dict() for p in probes]
     t = time.perf_counter()
-    cluster = assemble_cluster([RankProbe.from_dict(d) for d in dicts])
-    plan_groups(cluster)
-    init_s = time.perf_counter() - t
-    nodes = [f"node{r // RANKS_PER_NODE:05d}" for r in range(world)]
-    ckpt = _gathered_bytes(nodes) + _gathered_bytes([1 << 40] * world)  # node names, then bytes written
-    return {"init_s": init_s, "init_bytes_per_rank": _gathered_bytes(dicts), "ckpt_meta_bytes_per_rank": ckpt}
+    parts = [summary.rank_part(p) for p in probes]
+    part_s = (time.perf_counter() - t) / world  # each rank builds its own part
+    t = time.perf_counter()
+    chosen = summary.senders(parts)
+    nodes = {r: probes[r].node.to_dict() for r in chosen}
+    encoded = summary.encode_view(summary.view_from_parts(parts, nodes))
+    plan_groups(summary.decode_view(encoded))
+    init_s = part_s + time.perf_counter() - t
+    # gather_object: every rank receives the W sizes, rank 0 the W parts padded to the largest.
+    every = 8 * world + _sent(chosen) + _sent(("view", encoded))
+    root = every + world * max(_sent(p) - 8 for p in parts) + sum(_sent([nodes[r]]) for r in chosen if r != 0)
+    nodes_of = [f"node{r // RANKS_PER_NODE:05d}" for r in range(world)]
+    ckpt = _gathered_bytes(nodes_of) + _gathered_bytes([1 << 40] * world)  # node names, then bytes written
+    return {"init_s": init_s, "init_bytes_per_rank": every, "init_bytes_rank0": root,
+            "init_bytes_per_rank_all_gather": _gathered_bytes([p.to_dict() for p in probes]),
+            "ckpt_meta_bytes_per_rank": ckpt}
 
 
 def step_check_model(world: int) -> dict[str, float]:
