@@ -111,7 +111,8 @@ def _cause(me: int, mine: str, where: str, reports: list[peers.Report], seconds:
         return (f"{done[0].text} and left, while rank {me} was still training ({where}): the ranks ran "
                 f"different numbers of steps, and {mine} failed.")
     if lost:
-        return (f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
+        names = ", ".join(map(str, lost)) if len(lost) <= 16 else f"{', '.join(map(str, lost[:16]))} and {len(lost) - 16} more"
+        return (f"rank{'s' if len(lost) > 1 else ''} {names} "
                 f"{'were' if len(lost) > 1 else 'was'} lost (killed, crashed or hung: no answer within "
                 f"{seconds:.0f}s); so {mine} failed on rank {me} ({where}).")
     return None

@@ -29,7 +29,7 @@ from hybridshard.runtime.rank_state import current
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REPORT_SECONDS", "Report", "ask_everyone", "beat", "identity", "publish", "published", "runs",
+__all__ = ["REPORT_SECONDS", "Report", "ask_everyone", "beat", "exchange", "identity", "publish", "published", "runs",
            "store", "table"]
 
 REPORT_SECONDS = 3.0
@@ -153,15 +153,15 @@ def publish(kind: str, text: str) -> None:
         logger.debug("could not publish %s to the store", kind, exc_info=True)
 
 
-def _present(s: Any, ranks: list[int]) -> list[int]:
-    """The ranks of ``ranks`` that beat at least once: one ``check`` when all did, halving otherwise
-    (``multi_get`` of a missing key would wait for it)."""
-    if not ranks or s.check([_key(r) for r in ranks]):
+def _present(s: Any, ranks: list[int], keys: list[str] | None = None) -> list[int]:
+    """The ranks of ``ranks`` whose key (their heartbeat's, or ``keys[rank]``) exists: one ``check``
+    when all do, halving otherwise (``multi_get`` of a missing key would wait for it)."""
+    if not ranks or s.check([keys[r] if keys else _key(r) for r in ranks]):
         return ranks
     if len(ranks) == 1:
         return []
     half = len(ranks) // 2
-    return _present(s, ranks[:half]) + _present(s, ranks[half:])
+    return _present(s, ranks[:half], keys) + _present(s, ranks[half:], keys)
 
 
 def _read(s: Any, ranks: list[int]) -> dict[int, bytes]:
@@ -171,6 +171,27 @@ def _read(s: Any, ranks: list[int]) -> dict[int, bytes]:
 
 def _is_final(value: bytes) -> bool:
     return any(f'"state": "{k}"'.encode() in value for k in _FINAL)
+
+
+def exchange(name: str, value: bytes, world: int, seconds: float) -> dict[int, bytes] | None:
+    """Leave ``value`` under ``hybridshard/<name>/<rank>`` and read every rank's, waiting up to
+    ``seconds`` for all of them (with backoff): a failure path's detail, O(W) bytes, never a healthy
+    step's. ``None`` without a store."""
+    s = store()
+    if s is None:
+        return None
+    keys = [f"hybridshard/{name}/{r}" for r in range(world)]
+    try:
+        s.set(keys[identity()[0]], value)
+        deadline, pause = time.monotonic() + seconds, 0.05
+        while not s.check(keys) and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(2 * pause, 1.0)
+        ranks = _present(s, list(range(world)), keys)
+        return dict(zip(ranks, s.multi_get([keys[r] for r in ranks]))) if ranks else {}
+    except Exception:  # noqa: BLE001 - the store may be gone: the caller goes with what it knows
+        logger.debug("could not exchange %s", name, exc_info=True)
+        return None
 
 
 def published(kind: str, ranks: list[int]) -> dict[int, str] | None:
