@@ -84,7 +84,7 @@ def announce(error: BaseException) -> None:
 def collective_failed(kind: str, group_label: str, group: dist.ProcessGroup | None, err: BaseException) -> CollectiveError:
     """The error to raise when ``kind`` on ``group`` failed with ``err``; see [Note: naming the lost rank]."""
     me, ranks, where = dist.get_rank(), group_ranks(group), current_where().describe()
-    mine = f"{kind} on the {group_label} group (ranks {ranks})"
+    mine = f"{kind} on the {group_label} group (ranks {peers.ranks_text(ranks)})"
     reports = peers.ask_everyone({"state": "failed", "text": f"rank {me}: {mine} failed ({where})",
                                   "ranks": ranks, "call": current_where().call})
     if reports is None:
@@ -130,17 +130,22 @@ def peers_gone(kind: str, group_label: str, ranks: list[int], where: str, in_fli
     me = peers.identity()[0]
     reports: list[peers.Report] | None = None
     seconds = peers.REPORT_SECONDS
+    group = set(ranks)
     for seconds in (peers.REPORT_SECONDS, 3 * peers.REPORT_SECONDS):  # a silent rank is asked twice
-        reports = peers.ask_everyone(mine, seconds=seconds, while_waiting=while_waiting)
+        # The first look decodes only the ranks that are gone: the common case (nobody) stays cheap.
+        brief = seconds == peers.REPORT_SECONDS
+        reports = peers.ask_everyone(mine, seconds=seconds, while_waiting=while_waiting, brief=brief)
         if reports is None:
             return None
-        gone = [r for r in reports if r.rank in ranks and r.rank != me and r.state in _GONE]
+        gone = [r for r in reports if r.rank in group and r.rank != me and r.state in _GONE]
         if not gone:
             return None
         if any(r.state != "lost" for r in gone):
-            break  # it said so itself: nothing to confirm
+            if brief:  # it said so itself: nothing to confirm, but the message shows every rank
+                reports = peers.ask_everyone(mine, seconds=seconds, while_waiting=while_waiting)
+            break
     assert reports is not None
-    text = f"{kind} on the {group_label} group (ranks {ranks})"
+    text = f"{kind} on the {group_label} group (ranks {peers.ranks_text(ranks)})"
     cause = _cause(me, text, where, reports, seconds) or f"rank {me}: {text} cannot complete ({where})."
     return (f"{cause}\nwhere every rank is:\n{table(reports)}\nThe {kind} was still in flight after "
             f"{in_flight:.0f}s (HYBRIDSHARD_FAULT_SECONDS), so rank {me} stops now rather than at the process "

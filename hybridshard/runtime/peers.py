@@ -29,7 +29,7 @@ from hybridshard.runtime.rank_state import current
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REPORT_SECONDS", "Report", "ask_everyone", "beat", "exchange", "identity", "publish", "published", "runs",
+__all__ = ["REPORT_SECONDS", "Report", "ask_everyone", "beat", "exchange", "identity", "publish", "published", "ranks_text", "runs",
            "store", "table"]
 
 REPORT_SECONDS = 3.0
@@ -87,6 +87,16 @@ class Report:
     """The API call it is in (empty: training)."""
     seconds: float = 0.0
     """How long the collective it is in has been in flight (state ``"collective"``)."""
+
+
+def ranks_text(ranks: Any) -> str:
+    """``[0, 1, 2, 3]``; a long contiguous group as ``[0, 1, ..., 4095]`` (a line, not 20 KB)."""
+    ranks = list(ranks)
+    if len(ranks) > 8 and ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}]"
+    if len(ranks) > 16:
+        return f"[{', '.join(map(str, ranks[:16]))}, ... ({len(ranks)} ranks)]"
+    return str(ranks)
 
 
 def runs(ranks: list[int]) -> list[list[int]]:
@@ -164,8 +174,10 @@ def _present(s: Any, ranks: list[int], keys: list[str] | None = None) -> list[in
     return _present(s, ranks[:half], keys) + _present(s, ranks[half:], keys)
 
 
-def _read(s: Any, ranks: list[int]) -> dict[int, bytes]:
-    ranks = _present(s, ranks)
+def _read(s: Any, ranks: list[int], seen: Any = ()) -> dict[int, bytes]:
+    """The heartbeats of ``ranks``: one ``multi_get`` when all of them were ``seen`` already (keys stay)."""
+    if not all(r in seen for r in ranks):
+        ranks = _present(s, ranks)
     return dict(zip(ranks, s.multi_get([_key(r) for r in ranks]))) if ranks else {}
 
 
@@ -209,13 +221,14 @@ def published(kind: str, ranks: list[int]) -> dict[int, str] | None:
 
 
 def ask_everyone(mine: dict[str, Any], seconds: float = REPORT_SECONDS,
-                 while_waiting: Callable[[], None] | None = None) -> list[Report] | None:
+                 while_waiting: Callable[[], None] | None = None, *, brief: bool = False) -> list[Report] | None:
     """Where every rank is; one :class:`Report` per rank, ``None`` when the store is unreachable.
 
     ``mine`` is this rank's own answer, in its heartbeat meanwhile. A rank whose heartbeat did not
     move in ``seconds`` (and that did not say it raised, failed or finished) is lost. ``while_waiting``
     runs between polls: the watchdog thread, which beats, keeps beating while it asks itself (ranks
-    stuck in the same collective ask at the same time). See [Note: heartbeats].
+    stuck in the same collective ask at the same time). ``brief``: only the ranks that are lost or
+    said they raised, failed or finished (no other heartbeat is decoded). See [Note: heartbeats].
     """
     plane = current()
     s = store()
@@ -235,9 +248,11 @@ def ask_everyone(mine: dict[str, Any], seconds: float = REPORT_SECONDS,
         while waiting and time.monotonic() < start + seconds:
             if while_waiting is not None:
                 while_waiting()
-            time.sleep(0.05)
+            # [Note: few wake-ups] a sleeper per rank at 20 Hz is 20 W wake-ups a second on a shared host;
+            # sleeping to the next read (at most 0.25 s, the beats' pace) keeps them few.
+            time.sleep(max(0.01, min(0.25, min(next_read, start + seconds) - time.monotonic())))
             if time.monotonic() >= min(next_read, start + seconds):  # backoff: 0.25, 0.75, 1.75, 3.75 s ...
-                now = _read(s, waiting)
+                now = _read(s, waiting, seen)
                 seen.update(now)
                 waiting = [r for r in waiting if r not in now or (r in first and _count(now[r]) == first[r])]
                 poll = min(2 * poll, 4.0)
@@ -250,6 +265,8 @@ def ask_everyone(mine: dict[str, Any], seconds: float = REPORT_SECONDS,
     lost = set(waiting)
     out = []
     for r in range(world):
+        if brief and r not in lost and (r == me or not _is_final(seen.get(r, b""))):
+            continue
         if r in lost:
             out.append(Report(r, "lost", f"rank {r}: no answer within {seconds:.0f}s (killed, crashed or hung)"))
         elif r == me and plane.final is None:

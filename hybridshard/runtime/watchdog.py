@@ -102,15 +102,8 @@ class InFlight:
         return self._runs
 
     def describe(self, now: float) -> str:
-        return (f"{self.kind} of {self.numel} elements on the {self.group} group (ranks {ranks_text(self.ranks())}) for "
+        return (f"{self.kind} of {self.numel} elements on the {self.group} group (ranks {peers.ranks_text(self.ranks())}) for "
                 f"{now - self.started:.0f}s, {self.where.describe()}")
-
-
-def ranks_text(ranks: list[int]) -> str:
-    """``[0, 1, 2, 3]``; a long contiguous group as ``[0, 1, ..., 4095]`` (a line, not 20 KB)."""
-    if len(ranks) > 8 and ranks == list(range(ranks[0], ranks[0] + len(ranks))):
-        return f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}]"
-    return str(ranks)
 
 
 def begin(kind: str, group: str, pg: Any, numel: int) -> int:
