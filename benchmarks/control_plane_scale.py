@@ -350,7 +350,8 @@ def run(world: int, fault_s: float, healthy_s: float, faults: bool) -> dict[str,
 
 
 def _fit(results: list[dict[str, Any]], key: str) -> float | None:
-    pts = [(math.log(r["world"]), math.log(r[key])) for r in results if r.get(key, 0) > 0]
+    pts = [(math.log(r["world"]), math.log(r[key])) for r in results
+           if isinstance(r.get(key), (int, float)) and r[key] > 0]
     if len(pts) < 2:
         return None
     mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
@@ -375,9 +376,9 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 6))
     worlds = [r["world"] for r in results]
     for key in PLOTTED:
-        ys = [r.get(key) for r in results]
-        if all(isinstance(y, (int, float)) and y > 0 for y in ys):
-            ax.plot(worlds, ys, marker="o", label=key)
+        pts = [(w, r[key]) for w, r in zip(worlds, results) if isinstance(r.get(key), (int, float)) and r[key] > 0]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=key)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("world size W (ranks, 8 per node)")
@@ -396,7 +397,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--healthy-seconds", type=float, default=5.0)
     parser.add_argument("--no-faults", action="store_true", help="only the init, checkpoint and model figures")
     parser.add_argument("--plot", default=None, help="write a log-log PNG here (needs matplotlib)")
+    parser.add_argument("--results", nargs="+", default=None,
+                        help="fit and plot the JSON lines of earlier runs (files) instead of running")
     args = parser.parse_args(argv)
+    if args.results:
+        lines = [line for path in args.results for line in Path(path).read_text().splitlines() if line.startswith("{")]
+        merged: dict[int, dict[str, Any]] = {}
+        for line in lines:
+            r = json.loads(line)
+            merged.setdefault(r["world"], {}).update(r)
+        results = [merged[w] for w in sorted(merged)]
+        fits = {key: _fit(results, key) for key in PLOTTED}
+        print("log-log exponents (figure ~ W^k): " + ", ".join(f"{k}={v:.2f}" for k, v in fits.items() if v is not None))
+        if args.plot:
+            plot(results, args.plot)
+        return 0
     if any(w < 2 or w % RANKS_PER_NODE for w in args.world):
         raise SystemExit(f"--world expects multiples of {RANKS_PER_NODE} (ranks per node); got {args.world}")
     threading.stack_size(512 * 1024)  # thousands of watchdog threads

@@ -30,8 +30,8 @@ cost grows as log W, where an all-gather of every rank's fields grows as W; docs
 ranks agree when every field's largest equals its smallest. Only when they do not does each rank
 leave its fingerprint in the job's store and read the others' (:func:`hybridshard.runtime.peers.exchange`,
 up to 5 s), to name the ranks out of step as before; that goes through the store, not a collective,
-because ranks find the disagreement at different points of their streams. Without a store, the
-message names the two ranks holding the first differing field's extremes.
+because ranks find the disagreement at different points of their streams. A rank that does not say
+in time (stuck in a collective paired wrongly) is described from the extremes it holds.
 
 [Note: step check without a host sync]
 On CUDA neither building a fingerprint nor reading the reduced one may make the host wait for the
@@ -197,17 +197,17 @@ def compare_arrived(before_step: float | None = None) -> None:
 
 def _rows(seq: int, row: list[int], world: int, highs: list[tuple[int, int]],
           lows: list[tuple[int, int]]) -> dict[int, list[int]]:
-    """Every rank's fingerprint of check ``seq``, fetched through the job's store only now that the
-    ranks disagree; without a store, the two ranks holding the first differing field's extremes."""
-    rank = peers.identity()[0] if world > 1 else 0
-    got = peers.exchange(f"stepcheck/{seq}", json.dumps(row).encode(), world, _DETAIL_SECONDS)
-    if got:
-        return {r: json.loads(v) for r, v in got.items()}
-    field = next(i for i, (hi, lo) in enumerate(zip(highs, lows)) if hi[0] != lo[0])
-    out = {rank: row}
-    for value, r in (highs[field], lows[field]):
-        if r not in out:
-            out[r] = [*row[:field], value, *row[field + 1:]]  # only that field is known for sure
+    """Every rank's fingerprint of check ``seq`` that arrives through the job's store within
+    :data:`_DETAIL_SECONDS` (asked only now that the ranks disagree); a rank that did not say (no
+    store, or stuck elsewhere) but holds a field's extreme is filled in from the extremes."""
+    rank = peers.identity()[0]
+    got = peers.exchange(f"stepcheck/{seq}", json.dumps(row).encode(), world, _DETAIL_SECONDS) or {}
+    out = {r: json.loads(v) for r, v in got.items()}
+    out.setdefault(rank, row)
+    for r in {r for _, r in highs + lows} - set(out):
+        # Fields where it holds the largest or smallest value are known; the others are taken from this rank.
+        out[r] = [hi[0] if hi[1] == r and hi[0] != lo[0] else lo[0] if lo[1] == r and hi[0] != lo[0] else mine
+                  for hi, lo, mine in zip(highs, lows, row)]
     return out
 
 
