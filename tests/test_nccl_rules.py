@@ -14,9 +14,10 @@ def exiting(monkeypatch):
     """``exits._at_exit`` of rank 0 of 2 after 3 steps, with the store and the peers faked."""
     from hybridshard.runtime import exits, faults, peers
     from hybridshard.runtime.position import where
+    from hybridshard.runtime.rank_state import current
 
     monkeypatch.setattr(where, "step", 3)
-    monkeypatch.setattr(exits, "_RAISED", {"raised": False})
+    monkeypatch.setattr(current(), "raised", False)
     monkeypatch.setattr(peers, "store", lambda: object())
     monkeypatch.setattr(peers, "identity", lambda: (0, 2))
     monkeypatch.setattr(peers, "publish", lambda kind, text: None)

@@ -2,7 +2,7 @@
 
 ``assemble_cluster`` is pure (a list of :class:`RankProbe` in, a :class:`ClusterView` out), so the
 planner and the reports can be tested with recorded probes; ``gather_cluster`` is the collective that
-feeds it.
+feeds it (through rank 0, each node's probe once: :mod:`hybridshard.topology.summary`).
 
 [Note: nodes are discovered, not computed]
 A rank's node is the node name its own probe reports (the machine, or ``HYBRIDSHARD_NODE_NAME``),
@@ -87,9 +87,10 @@ def assemble_cluster(probes: Sequence[RankProbe]) -> ClusterView:
 
 
 def gather_cluster(rank_probe: RankProbe | None = None, group=None) -> ClusterView:
-    """Probe this rank (unless given) and gather every rank's probe; collective over ``group``.
+    """Probe this rank (unless given) and gather the cluster view, each node's probe once (see
+    [Note: one probe per node] in :mod:`hybridshard.topology.summary`); collective over ``group``.
 
-    With the NCCL backend the current CUDA device must already be set (``all_gather_object`` moves
+    With the NCCL backend the current CUDA device must already be set (the object collectives move
     the pickled probes through it).
     """
     import torch.distributed as dist
@@ -103,6 +104,6 @@ def gather_cluster(rank_probe: RankProbe | None = None, group=None) -> ClusterVi
         from hybridshard.topology.probe import probe_rank
 
         rank_probe = probe_rank(rank=dist.get_rank(), world_size=dist.get_world_size())
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, rank_probe.to_dict(), group=group)
-    return assemble_cluster([RankProbe.from_dict(d) for d in gathered])
+    from hybridshard.topology.summary import gather_summary  # it assembles with assemble_cluster
+
+    return gather_summary(rank_probe, group=group)

@@ -6,24 +6,35 @@ Ranks that run a different number of forwards or backwards, a different ``no_syn
 units in a different order (a data-dependent branch, so that prefetching gathers other units) issue
 collectives that pair up by order: same-size ones silently mix unrelated tensors, the others fail
 or hang. Each forward (issued at the root's pre-hook, before any gather) and each backward (issued
-at its first hook, before any gather) all-gathers a fingerprint over the whole job: which pass, the
+at its first hook, before any gather) reduces a fingerprint over the whole job: which pass, the
 step (syncing backwards so far), the forwards in this step, the ``no_sync`` mode, the number of
 units and a digest of the unit orders recorded so far. The checks always pair with each other (a
 forward's with a backward's when one rank ran an extra forward), so a difference raises a
 ``ValueError`` naming what each rank was doing, before any gradient is reduced: no weight changes.
-Neither check stops the step to wait: the forward's all-gather runs while the forward computes and
+Neither check stops the step to wait: the forward's reduction runs while the forward computes and
 is compared at the next check; the backward's runs while the first unit's backward computes and is
 compared before the backward's first gradient reduction (the gathers before it are all-gathers,
 which cannot reduce anything). Ranks out of step may meanwhile pair gathers wrongly; a collective
 that fails in that window first waits (up to 3 s) for the check in flight and raises its
 ``ValueError`` instead, the cause rather than the consequence. A rank that skipped a whole step
 (forward included) cannot be told apart from the others until it finishes early; see [Note:
-finishing together] in :mod:`hybridshard.runtime.exits`. Cost: two all-gathers of six integers per
+finishing together] in :mod:`hybridshard.runtime.exits`. Cost: two all-reduces of twelve integers per
 step, off the critical path (docs/runtime.md has the measured figure);
 ``shard(..., check_steps=False)`` turns it off.
 
+[Note: step check at scale]
+The check is one fixed-size all-reduce (MAX) whatever the world size W: each of the six fields f goes
+in twice, as ``f * W + rank`` and as ``-f * W + rank``, so the maximum over the job holds each field's
+largest and smallest value, each with a rank that has it (a tree or ring reduction of 96 bytes: its
+cost grows as log W, where an all-gather of every rank's fields grows as W; docs/scale.md). The
+ranks agree when every field's largest equals its smallest. Only when they do not does each rank
+leave its fingerprint in the job's store and read the others' (:func:`hybridshard.runtime.peers.exchange`,
+up to 5 s), to name the ranks out of step as before; that goes through the store, not a collective,
+because ranks find the disagreement at different points of their streams. A rank that does not say
+in time (stuck in a collective paired wrongly) is described from the extremes it holds.
+
 [Note: step check without a host sync]
-On CUDA neither building a fingerprint nor reading the gathered ones may make the host wait for the
+On CUDA neither building a fingerprint nor reading the reduced one may make the host wait for the
 device (that drains its queue, three times a step). A fingerprint goes to the device from pinned
 memory, non-blocking; a collected check's result is copied to pinned memory, non-blocking, with an
 event after it (:class:`~hybridshard.runtime.host_syncs.HostCopy`), and is compared once that event
@@ -32,7 +43,7 @@ the first gradient reduction also compares every check of *earlier* steps, waiti
 device is that far behind. So a mismatch is found within one step, and the job stops (``ValueError``
 on every rank) before the next step reduces a gradient, so before the next optimizer step changes a
 weight; the step in which ranks parted may itself have stepped. Nothing goes through the store on a
-healthy step. On CPU the gathered tensor is host memory: compared at once, as the Note above says.
+healthy step. On CPU the reduced tensor is host memory: compared at once, as the Note above says.
 
 [Note: debug agreement check]
 Ranks that run a different number of forwards or backwards in a step, or a different ``no_sync``
@@ -47,6 +58,7 @@ collectives (each one tiny), so it is for finding such a bug, not for production
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -55,7 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridshard.runtime import faults, issue_order, watchdog
+from hybridshard.runtime import faults, issue_order, peers, watchdog
 from hybridshard.runtime.handoff import hand_off
 from hybridshard.runtime.host_syncs import HostCopy, to_device
 from hybridshard.runtime.position import PHASES, current_where
@@ -117,19 +129,37 @@ _MODES = ("sync", "local", "shard_only")
 
 _CHECKS: list["StepCheck"] = []
 """Step checks issued and not collected yet (at most two: a forward's and a backward's)."""
-_ARRIVING: list[tuple[int, int, HostCopy]] = []
-"""``(step, world, copy)`` of collected checks whose fingerprints are on their way to the host."""
+_ARRIVING: list[tuple[int, int, HostCopy, list[int], int]] = []
+"""``(step, world, copy, row, seq)`` of collected checks whose reductions are on their way to the host."""
+_ISSUED = {"n": 0}
+"""Step checks issued by this rank: the n-th pairs with every other rank's n-th (collectives pair by order)."""
+_DETAIL_SECONDS = 5.0
+"""How long a rank that found a disagreement waits for the others' fingerprints (see [Note: step check at scale])."""
+
+
+def _extremes_of(row: list[int], rank: int, world: int) -> list[int]:
+    """See [Note: step check at scale]: each field as ``f * W + rank`` and ``-f * W + rank``; their
+    maximum over the job holds the largest and the smallest value of each field and a rank with it."""
+    return [f * world + rank for f in row] + [-f * world + rank for f in row]
+
+
+def _decode(flat: list[int], world: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``(value, rank)`` of each field's maximum, then of each field's minimum."""
+    half = len(flat) // 2
+    return ([(v // world, v % world) for v in flat[:half]], [(-(v // world), v % world) for v in flat[half:]])
 
 
 class StepCheck:
     """One step check in flight: issued with :func:`issue_step_check`, collected by :meth:`verify`."""
 
-    def __init__(self, everyone: torch.Tensor, work: Any, token: int, world: int, step: int) -> None:
-        self._everyone, self._work, self._token, self._world, self._step = everyone, work, token, world, step
+    def __init__(self, reduced: torch.Tensor, work: Any, token: int, world: int, step: int, row: list[int],
+                 seq: int) -> None:
+        self._reduced, self._work, self._token, self._world, self._step = reduced, work, token, world, step
+        self._row, self._seq = row, seq
         _CHECKS.append(self)
 
     def verify(self, *, before_step: float | None = None) -> None:
-        """Collect the all-gather (on NCCL the current stream waits for it) and start copying it to
+        """Collect the reduction (on NCCL the current stream waits for it) and start copying it to
         the host; then compare every collected check that arrived, and those of steps before
         ``before_step`` even if that means waiting for them. ``ValueError`` on every rank if the
         ranks differ. See [Note: step check without a host sync]."""
@@ -138,10 +168,10 @@ class StepCheck:
         try:
             self._work.wait()
         except RuntimeError as err:
-            raise faults.collective_failed("step check (all_gather)", "world", dist.group.WORLD, err) from err
+            raise faults.collective_failed("step check (all_reduce)", "world", dist.group.WORLD, err) from err
         finally:
             watchdog.end(self._token)
-        _ARRIVING.append((self._step, self._world, HostCopy(self._everyone)))
+        _ARRIVING.append((self._step, self._world, HostCopy(self._reduced), self._row, self._seq))
         compare_arrived(before_step)
 
     def completed(self) -> bool:
@@ -155,16 +185,30 @@ def compare_arrived(before_step: float | None = None) -> None:
     """Compare the collected checks in order, up to the first one that neither arrived nor belongs to
     a step before ``before_step``."""
     while _ARRIVING:
-        step, world, copy = _ARRIVING[0]
+        step, world, copy, row, seq = _ARRIVING[0]
         if not copy.ready() and (before_step is None or step >= before_step):
             return
         _ARRIVING.pop(0)
-        flat = copy.tolist()
-        width = len(flat) // world
-        rows = [flat[r * width : (r + 1) * width] for r in range(world)]
-        if any(row != rows[0] for row in rows):
+        highs, lows = _decode(copy.tolist(), world)
+        if any(hi[0] != lo[0] for hi, lo in zip(highs, lows)):
             _ARRIVING.clear()
-            _raise_out_of_step(rows)
+            _raise_out_of_step(_rows(seq, row, world, highs, lows))
+
+
+def _rows(seq: int, row: list[int], world: int, highs: list[tuple[int, int]],
+          lows: list[tuple[int, int]]) -> dict[int, list[int]]:
+    """Every rank's fingerprint of check ``seq`` that arrives through the job's store within
+    :data:`_DETAIL_SECONDS` (asked only now that the ranks disagree); a rank that did not say (no
+    store, or stuck elsewhere) but holds a field's extreme is filled in from the extremes."""
+    rank = peers.identity()[0]
+    got = peers.exchange(f"stepcheck/{seq}", json.dumps(row).encode(), world, _DETAIL_SECONDS) or {}
+    out = {r: json.loads(v) for r, v in got.items()}
+    out.setdefault(rank, row)
+    for r in {r for _, r in highs + lows} - set(out):
+        # Fields where it holds the largest or smallest value are known; the others are taken from this rank.
+        out[r] = [hi[0] if hi[1] == r and hi[0] != lo[0] else lo[0] if lo[1] == r and hi[0] != lo[0] else mine
+                  for hi, lo, mine in zip(highs, lows, row)]
+    return out
 
 
 def raise_if_out_of_step(seconds: float = 3.0) -> None:
@@ -184,7 +228,7 @@ def raise_if_out_of_step(seconds: float = 3.0) -> None:
 
 
 def issue_step_check(pass_name: str, *, mode: str, num_units: int, order_digest: int) -> StepCheck | None:
-    """Start the all-gather of this rank's step fingerprint over the job; see [Note: step check].
+    """Start the all-reduce of this rank's step fingerprint over the job; see [Note: step check].
 
     ``None`` in a one-rank job. Every rank must :meth:`~StepCheck.verify` it before its next step
     check and before any gradient reduction.
@@ -193,31 +237,30 @@ def issue_step_check(pass_name: str, *, mode: str, num_units: int, order_digest:
     if world == 1:
         return None
     w = current_where()
-    mine = to_device([_PASSES.index(pass_name), w.step, w.forward, _MODES.index(mode), num_units, order_digest],
-                     collective_device())
-    everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=mine.device)
-    token = watchdog.begin("step check", "world", dist.group.WORLD, mine.numel())
-    issue_order.note("world", "all_gather", mine)
+    row = [_PASSES.index(pass_name), w.step, w.forward, _MODES.index(mode), num_units, order_digest]
+    _ISSUED["n"] += 1
+    reduced = to_device(_extremes_of(row, dist.get_rank(), world), collective_device())
+    token = watchdog.begin("step check", "world", dist.group.WORLD, reduced.numel())
+    issue_order.note("world", "all_reduce", reduced)
     try:
-        out, inp = hand_off(everyone, mine)  # see [Note: tensors handed to a backend thread]
-        work = _ALL_GATHER(out, inp, async_op=True)  # the default group: the whole job
+        (alias,) = hand_off(reduced)  # see [Note: tensors handed to a backend thread]
+        work = dist.all_reduce(alias, op=dist.ReduceOp.MAX, async_op=True)  # the default group: the whole job
     except RuntimeError as err:
         watchdog.end(token)
-        raise faults.collective_failed("step check (all_gather)", "world", dist.group.WORLD, err) from err
-    return StepCheck(everyone, work, token, world, w.step)
+        raise faults.collective_failed("step check (all_reduce)", "world", dist.group.WORLD, err) from err
+    return StepCheck(reduced, work, token, world, w.step, row, _ISSUED["n"])
 
 
-def _raise_out_of_step(rows: list[list[int]]) -> None:
-    world = len(rows)
+def _raise_out_of_step(rows: dict[int, list[int]]) -> None:
     groups: dict[tuple, list[int]] = {}
-    for rank, row in enumerate(rows):
+    for rank, row in sorted(rows.items()):
         groups.setdefault(tuple(row), []).append(rank)
     majority = max(groups.values(), key=len)
-    odd = [r for r in range(world) if r not in majority] or majority
-    described = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {ranks}: {_describe(row)}"
+    odd = [r for r in sorted(rows) if r not in majority] or majority
+    described = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks, True)}: {_describe(list(row))}"
                           for row, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]))
     message = (
-        f"rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} {'are' if len(odd) > 1 else 'is'} out of step "
+        f"rank{'s' if len(odd) > 1 else ''} {_ranks(odd, False)} {'are' if len(odd) > 1 else 'is'} out of step "
         f"with the others: {described}. Every rank must run the same forwards and backwards per step, with the "
         "same no_sync blocks and the same units in the same order; look for a batch skipped on some ranks after "
         "its forward, a data-dependent branch, or a micro-batch count that differs by rank. No gradient of this "
@@ -226,6 +269,12 @@ def _raise_out_of_step(rows: list[list[int]]) -> None:
     error = ValueError(message)
     faults.announce(error)
     raise error
+
+
+def _ranks(ranks: list[int], bracket: bool) -> str:
+    """``0, 2`` (or ``[0, 2]``); a long list cut after 16."""
+    text = ", ".join(map(str, ranks[:16])) + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")
+    return f"[{text}]" if bracket else text
 
 
 def _describe(row: list[int]) -> str:

@@ -6,7 +6,7 @@ A rank that skipped a whole step (forward included) runs the same collectives as
 step ahead in the data, until it runs out of steps: nothing in the step can tell. So when a process
 that trained a sharded model exits, it publishes ``rank R finished after S steps`` in the job's store
 and waits (at most ``HYBRIDSHARD_EXIT_WAIT`` seconds, 10 by default) until every rank finished,
-raised, or is found blocked in a collective (asked as in [Note: asking every rank where it is] in
+raised, or is found blocked in a collective (read as in [Note: heartbeats] in
 :mod:`hybridshard.runtime.peers`). Every rank finished after the same steps: it exits as it was
 going to. Others finished after other step counts, or are still blocked in a training collective:
 it logs which ranks are where and exits with status 1, and once it is gone the blocked ranks'
@@ -32,6 +32,7 @@ from typing import Any
 
 from hybridshard.runtime import faults, peers
 from hybridshard.runtime.position import where
+from hybridshard.runtime.rank_state import current
 from hybridshard.runtime.watchdog import my_status
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["exit_wait_seconds", "install"]
 
 _INSTALLED: dict[str, Any] = {}
-_RAISED = {"raised": False}
+"""The hooks this module replaced: ``sys.excepthook`` and ``atexit`` are one per process."""
 
 
 def exit_wait_seconds() -> float:
@@ -66,7 +67,7 @@ def install() -> None:
 def _publish_raised(error: BaseException) -> None:
     if isinstance(error, (KeyboardInterrupt, SystemExit)):
         return
-    _RAISED["raised"] = True  # no "finished" check at exit: this rank did not finish
+    current().raised = True  # no "finished" check at exit: this rank did not finish
     faults.write_error_file(error, consequence=isinstance(error, faults.CollectiveError))
     try:
         faults.announce(error)
@@ -87,7 +88,7 @@ def _thread_excepthook(args: Any) -> None:
 
 def _at_exit() -> None:
     """See [Note: finishing together]."""
-    if _RAISED["raised"] or where.step == 0 or peers.store() is None:
+    if current().raised or where.step == 0 or peers.store() is None:
         return
     me, world = peers.identity()
     if world == 1:

@@ -4,8 +4,8 @@
 When a rank dies (killed, or raised and exited), its peers' pending collective fails: at once with
 gloo ("connection reset by peer"), after the process group's timeout with NCCL or when the rank is
 alive but elsewhere. The backend's message names an address at best. So a rank whose collective
-failed asks every rank where it is through the job's store (see [Note: asking every rank where it
-is] in :mod:`hybridshard.runtime.peers`) and builds its error from the answers, cause first:
+failed reads where every rank is from the job's store (see [Note: heartbeats] in
+:mod:`hybridshard.runtime.peers`) and builds its error from what they say, cause first:
 
 - a rank that raised (one of the runtime's errors, :func:`announce`, or any uncaught exception, see
   :mod:`hybridshard.runtime.exits`): ``rank 1 raised ValueError: a bad batch``;
@@ -26,9 +26,9 @@ a collective whose peer died or hung stays queued on the device until the proces
 its sockets (a frozen node, a stopped process) holds the others just as long. So the runtime's
 watchdog thread (:mod:`hybridshard.runtime.watchdog`) looks at every collective of this rank still
 in flight after ``HYBRIDSHARD_FAULT_SECONDS`` (60 by default; 0 turns it off) and asks every rank
-where it is, once per collective. When every rank of the collective's group answers, nothing
+where it is, once per collective. When every rank of the collective's group beats, nothing
 happens (a slow collective, or a peer busy elsewhere: the hang report comes later). When one of
-them raised, left, or answers nothing twice (3 s, then 9 s more), the rank logs the same message a
+them raised, left, or its heartbeat stood still twice (3 s, then 9 s more), the rank logs the same message a
 failing collective raises (cause first, every rank's answer, what to do), publishes that it failed,
 and stops with status 1: the launcher then stops or restarts the job, minutes before the timeout,
 and every rank's log names the lost one.
@@ -49,6 +49,7 @@ import torch.distributed as dist
 from hybridshard.runtime import peers
 from hybridshard.runtime.peers import table
 from hybridshard.runtime.position import current_where
+from hybridshard.runtime.rank_state import current
 from hybridshard.topology.groups import group_ranks
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def announce(error: BaseException) -> None:
 def collective_failed(kind: str, group_label: str, group: dist.ProcessGroup | None, err: BaseException) -> CollectiveError:
     """The error to raise when ``kind`` on ``group`` failed with ``err``; see [Note: naming the lost rank]."""
     me, ranks, where = dist.get_rank(), group_ranks(group), current_where().describe()
-    mine = f"{kind} on the {group_label} group (ranks {ranks})"
+    mine = f"{kind} on the {group_label} group (ranks {peers.ranks_text(ranks)})"
     reports = peers.ask_everyone({"state": "failed", "text": f"rank {me}: {mine} failed ({where})",
                                   "ranks": ranks, "call": current_where().call})
     if reports is None:
@@ -110,7 +111,8 @@ def _cause(me: int, mine: str, where: str, reports: list[peers.Report], seconds:
         return (f"{done[0].text} and left, while rank {me} was still training ({where}): the ranks ran "
                 f"different numbers of steps, and {mine} failed.")
     if lost:
-        return (f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
+        names = ", ".join(map(str, lost)) if len(lost) <= 16 else f"{', '.join(map(str, lost[:16]))} and {len(lost) - 16} more"
+        return (f"rank{'s' if len(lost) > 1 else ''} {names} "
                 f"{'were' if len(lost) > 1 else 'was'} lost (killed, crashed or hung: no answer within "
                 f"{seconds:.0f}s); so {mine} failed on rank {me} ({where}).")
     return None
@@ -128,17 +130,22 @@ def peers_gone(kind: str, group_label: str, ranks: list[int], where: str, in_fli
     me = peers.identity()[0]
     reports: list[peers.Report] | None = None
     seconds = peers.REPORT_SECONDS
+    group = set(ranks)
     for seconds in (peers.REPORT_SECONDS, 3 * peers.REPORT_SECONDS):  # a silent rank is asked twice
-        reports = peers.ask_everyone(mine, seconds=seconds, while_waiting=while_waiting)
+        # The first look decodes only the ranks that are gone: the common case (nobody) stays cheap.
+        brief = seconds == peers.REPORT_SECONDS
+        reports = peers.ask_everyone(mine, seconds=seconds, while_waiting=while_waiting, brief=brief)
         if reports is None:
             return None
-        gone = [r for r in reports if r.rank in ranks and r.rank != me and r.state in _GONE]
+        gone = [r for r in reports if r.rank in group and r.rank != me and r.state in _GONE]
         if not gone:
             return None
         if any(r.state != "lost" for r in gone):
-            break  # it said so itself: nothing to confirm
+            if brief:  # it said so itself: nothing to confirm, but the message shows every rank
+                reports = peers.ask_everyone(mine, seconds=seconds, while_waiting=while_waiting)
+            break
     assert reports is not None
-    text = f"{kind} on the {group_label} group (ranks {ranks})"
+    text = f"{kind} on the {group_label} group (ranks {peers.ranks_text(ranks)})"
     cause = _cause(me, text, where, reports, seconds) or f"rank {me}: {text} cannot complete ({where})."
     return (f"{cause}\nwhere every rank is:\n{table(reports)}\nThe {kind} was still in flight after "
             f"{in_flight:.0f}s (HYBRIDSHARD_FAULT_SECONDS), so rank {me} stops now rather than at the process "
@@ -147,7 +154,13 @@ def peers_gone(kind: str, group_label: str, ranks: list[int], where: str, in_fli
 
 def stop_now(status: int = 1) -> None:
     """End the process at once with ``status``, its output flushed: the job cannot go on and waiting
-    for the backend's timeout would only hide why."""
+    for the backend's timeout would only hide why. A rank of the scale harness is stopped by its
+    plane's ``on_stop`` instead (see [Note: one control plane per rank] in
+    :mod:`hybridshard.runtime.rank_state`)."""
+    on_stop = current().on_stop
+    if on_stop is not None:
+        on_stop(status)
+        return
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -7,9 +7,9 @@ asynchronous one until its handle says it completed (on NCCL that is when the de
 not when ``wait()`` returned). One daemon thread per process, started with the first sharded
 model, wakes about once a second and
 
-- answers any rank that asked where everyone is (see [Note: asking every rank where it is] in
-  :mod:`hybridshard.runtime.peers`), from the registry and :mod:`hybridshard.runtime.position`,
-  even while the main thread is blocked in a collective;
+- writes this rank's heartbeat: where it is, from the registry and :mod:`hybridshard.runtime.position`,
+  even while the main thread is blocked in a collective (see [Note: heartbeats] in
+  :mod:`hybridshard.runtime.peers`);
 - when a collective of this rank has been in flight longer than :func:`hang_seconds` (the
   ``HYBRIDSHARD_HANG_SECONDS`` environment variable, 300 by default: well below the process
   group's timeout, 30 minutes by default), asks every rank and logs one table naming where each
@@ -24,7 +24,6 @@ model, wakes about once a second and
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import os
 import threading
@@ -37,6 +36,7 @@ import torch.distributed as dist
 
 from hybridshard.runtime import faults, peers
 from hybridshard.runtime.position import Where, current_where, snapshot
+from hybridshard.runtime.rank_state import ControlPlane, bound, current
 from hybridshard.topology.groups import group_ranks
 
 logger = logging.getLogger(__name__)
@@ -81,38 +81,46 @@ class InFlight:
     reported: bool = False
     checked: bool = False
     """Its group's ranks were checked for a lost one (see :func:`fault_seconds`)."""
+    _ranks: list[int] | None = None
+    _runs: list[list[int]] | None = None
 
     def ranks(self) -> list[int]:
         """The group's global ranks; none once the group was destroyed (at exit) while this was registered."""
-        try:
-            return group_ranks(self.pg)
-        except (KeyError, RuntimeError, ValueError):
-            return []
+        if self._ranks is None:
+            if isinstance(self.pg, (list, tuple, range)):  # the scale harness's simulated groups
+                self._ranks = list(self.pg)
+            else:
+                try:
+                    self._ranks = group_ranks(self.pg)
+                except (KeyError, RuntimeError, ValueError):
+                    return []
+        return self._ranks
+
+    def runs(self) -> list[list[int]]:
+        """:meth:`ranks` as ``[start, stop)`` runs, kept: what every heartbeat carries."""
+        if self._runs is None:
+            self._runs = peers.runs(self.ranks())
+        return self._runs
 
     def describe(self, now: float) -> str:
-        return (f"{self.kind} of {self.numel} elements on the {self.group} group (ranks {self.ranks()}) for "
+        return (f"{self.kind} of {self.numel} elements on the {self.group} group (ranks {peers.ranks_text(self.ranks())}) for "
                 f"{now - self.started:.0f}s, {self.where.describe()}")
-
-
-_LOCK = threading.Lock()
-_IN_FLIGHT: dict[int, InFlight] = {}
-_IDS = itertools.count()
-_THREAD: dict[str, threading.Thread] = {}
-_STOP = threading.Event()
 
 
 def begin(kind: str, group: str, pg: Any, numel: int) -> int:
     """Register a collective about to be issued; the token for :func:`end`."""
-    token = next(_IDS)
+    plane = current()
+    token = next(plane.ids)
     entry = InFlight(kind, group, pg, numel, snapshot(), time.monotonic())
-    with _LOCK:
-        _IN_FLIGHT[token] = entry
+    with plane.lock:
+        plane.in_flight[token] = entry
     return token
 
 
 def attach_work(token: int, work: Any) -> None:
-    with _LOCK:
-        entry = _IN_FLIGHT.get(token)
+    plane = current()
+    with plane.lock:
+        entry = plane.in_flight.get(token)
         if entry is not None:
             entry.work = work
 
@@ -138,8 +146,9 @@ def settle(token: int | None) -> None:
         return
     event = torch.cuda.Event()
     event.record()
-    with _LOCK:
-        entry = _IN_FLIGHT.get(token)
+    plane = current()
+    with plane.lock:
+        entry = plane.in_flight.get(token)
         if entry is not None:
             entry.work = _Settled(event)
 
@@ -147,32 +156,34 @@ def settle(token: int | None) -> None:
 def end(token: int | None) -> None:
     if token is None:
         return
-    with _LOCK:
-        _IN_FLIGHT.pop(token, None)
+    plane = current()
+    with plane.lock:
+        plane.in_flight.pop(token, None)
 
 
 def _prune() -> list[InFlight]:
     """Drop the asynchronous collectives that completed; the ones still in flight, oldest first."""
-    with _LOCK:
-        for token, entry in list(_IN_FLIGHT.items()):
+    plane = current()
+    with plane.lock:
+        for token, entry in list(plane.in_flight.items()):
             if entry.work is not None:
                 try:
                     if entry.work.is_completed():
-                        del _IN_FLIGHT[token]
+                        del plane.in_flight[token]
                 except Exception:  # noqa: BLE001 - a failed handle: its waiter reports it
-                    del _IN_FLIGHT[token]
-        return sorted(_IN_FLIGHT.values(), key=lambda e: e.started)
+                    del plane.in_flight[token]
+        return sorted(plane.in_flight.values(), key=lambda e: e.started)
 
 
 def my_status() -> dict[str, Any]:
-    """This rank's answer to the others (see :func:`hybridshard.runtime.peers.answer`)."""
+    """This rank's heartbeat status (see :func:`hybridshard.runtime.peers.beat`)."""
     rank = peers.identity()[0]
     pending = _prune()
     now = time.monotonic()
     if pending:
         first = pending[0]
         return {"state": "collective", "text": f"rank {rank}: in {first.describe(now)}",
-                "ranks": first.ranks(), "call": first.where.call, "seconds": now - first.started}
+                "ranks": first.ranks(), "runs": first.runs(), "call": first.where.call, "seconds": now - first.started}
     here = current_where()
     return {"state": "running", "text": f"rank {rank}: not in a collective of the runtime ({here.describe()})",
             "call": here.call}
@@ -184,30 +195,31 @@ def _poll_seconds() -> float:
     return min(1.0, max(0.05, min(limits, default=4.0) / 4))
 
 
-_ANSWERED = {"n": 0}
+def _beat() -> None:
+    """This rank's heartbeat, when one is due (also while the watchdog thread itself asks)."""
+    peers.beat(my_status, every=0.9 * _poll_seconds())
 
 
-def _answer_asks() -> None:
-    """Answer every ask of the other ranks since the last call (the watchdog thread only)."""
-    n = peers.asked()
-    if n > _ANSWERED["n"]:
-        status = my_status()
-        for k in range(_ANSWERED["n"] + 1, n + 1):
-            if not peers.is_own_ask(k):
-                peers.answer(k, status)
-        _ANSWERED["n"] = n
+def _ready(plane: ControlPlane) -> bool:
+    return plane.is_ready() if plane.is_ready is not None else dist.is_initialized()
 
 
-def _loop() -> None:
-    while not _STOP.wait(_poll_seconds()):
-        if not dist.is_initialized():
-            continue
-        try:
-            _answer_asks()
-            _report_if_stuck()
-            _stop_if_peers_gone()
-        except Exception:  # noqa: BLE001 - the watchdog must never take the job down
-            logger.debug("watchdog iteration failed", exc_info=True)
+def _loop(plane: ControlPlane) -> None:
+    with bound(plane):
+        if _ready(plane):
+            _beat()  # at once: a rank that never beat is lost to its peers
+        while not plane.stop.wait(_poll_seconds()):
+            if _ready(plane):
+                _iteration()
+
+
+def _iteration() -> None:
+    try:
+        _beat()
+        _report_if_stuck()
+        _stop_if_peers_gone()
+    except Exception:  # noqa: BLE001 - the watchdog must never take the job down
+        logger.debug("watchdog iteration failed", exc_info=True)
 
 
 def _report_if_stuck() -> None:
@@ -217,8 +229,8 @@ def _report_if_stuck() -> None:
         return
     for entry in stuck:
         entry.reported = True
-    reports = peers.ask_everyone(my_status(), while_waiting=_answer_asks)
-    rank = dist.get_rank()
+    reports = peers.ask_everyone(my_status(), while_waiting=_beat)
+    rank = peers.identity()[0]
     head = (f"rank {rank} has been in {stuck[0].describe(now)} for longer than {limit:.0f}s "
             "(HYBRIDSHARD_HANG_SECONDS); where every rank is:")
     if reports is None:
@@ -240,7 +252,7 @@ def _stop_if_peers_gone() -> None:
         entry.checked = True
     entry = stuck[0]
     message = faults.peers_gone(entry.kind, entry.group, entry.ranks(), entry.where.describe(),
-                                now - entry.started, my_status(), while_waiting=_answer_asks)
+                                now - entry.started, my_status(), while_waiting=_beat)
     if message is None:
         return
     logger.critical("%s", message)
@@ -250,21 +262,24 @@ def _stop_if_peers_gone() -> None:
 
 
 def start() -> None:
-    """Start the watchdog thread of this process (once)."""
-    with _LOCK:
-        if "thread" in _THREAD and _THREAD["thread"].is_alive():
+    """Start the watchdog thread of this rank (once; see [Note: one control plane per rank] in
+    :mod:`hybridshard.runtime.rank_state`)."""
+    plane = current()
+    with plane.lock:
+        if plane.thread is not None and plane.thread.is_alive():
             return
-        _STOP.clear()
-        _ANSWERED["n"] = 0
-        thread = threading.Thread(target=_loop, name="hybridshard-watchdog", daemon=True)
-        _THREAD["thread"] = thread
+        plane.stop.clear()
+        thread = threading.Thread(target=_loop, args=(plane,), name="hybridshard-watchdog", daemon=True)
+        plane.thread = thread
     thread.start()
-    atexit.register(stop)
+    if not plane.explicit:
+        atexit.register(stop)
 
 
 def stop() -> None:
     """Stop the thread and wait for it: no store call of ours may run while the process exits."""
-    _STOP.set()
-    thread = _THREAD.pop("thread", None)
+    plane = current()
+    plane.stop.set()
+    thread, plane.thread = plane.thread, None
     if thread is not None and thread is not threading.current_thread():
         thread.join(timeout=5.0)

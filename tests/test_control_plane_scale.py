@@ -1,0 +1,37 @@
+"""The control plane at 64 and 256 ranks (threads of this process, one real TCPStore): a dead rank is
+named by every survivor, a stall of rank 0 longer than HYBRIDSHARD_FAULT_SECONDS reports nobody, and
+the store load and init bytes stay within their budgets (see docs/scale.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+HARNESS = Path(__file__).resolve().parents[1] / "benchmarks" / "control_plane_scale.py"
+
+
+@pytest.fixture(scope="module")
+def harness():
+    spec = importlib.util.spec_from_file_location("control_plane_scale", HARNESS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [64, 256])
+def test_control_plane_at_scale(harness, world, monkeypatch):
+    monkeypatch.delenv("HYBRIDSHARD_FAULT_SECONDS", raising=False)
+    monkeypatch.delenv("HYBRIDSHARD_HANG_SECONDS", raising=False)
+    r = harness.run(world, fault_s=1.0, healthy_s=2.0, faults=True)
+    # A stall of rank 0 (1.5 s against a 1 s fault limit, every other rank checking at once): nobody reported.
+    assert r["stall_checks"] >= world // 2 and r["false_reports"] == 0, r
+    # Rank world//2+1 stops: every survivor names it, after the limit and the 3 s + 9 s of silence.
+    assert r["detected"] == r["survivors"] == world - 1, r
+    assert r["detect_s"] < 1.0 + 4 * 3.0 + 10.0, r  # generous: a loaded 2-core machine
+    assert r["store_ops_per_rank_per_s"] <= 1.05, r  # one heartbeat a second
+    assert r["store_ops_per_check_per_rank"] <= 10, r
+    if world == 256:
+        assert r["init_bytes_per_rank"] <= 64 * 1024, r
