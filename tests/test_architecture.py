@@ -31,7 +31,7 @@ def _modules() -> dict[str, pathlib.Path]:
 
 
 def _package_of(module: str) -> str:
-    """``hybridshard.runtime.unit`` -> ``hybridshard.runtime``; top-level modules -> ``hybridshard``."""
+    """``hybridshard.runtime.units.unit`` -> ``hybridshard.runtime``; top-level modules -> ``hybridshard``."""
     parts = module.split(".")
     return ".".join(parts[:2]) if len(parts) > 2 or module.endswith("__init__") else parts[0]
 
@@ -91,7 +91,7 @@ def one_rank_job(tmp_path):
 def test_none_means_no_group(one_rank_job):
     import torch.distributed as dist
 
-    from hybridshard.runtime import collectives as C
+    from hybridshard.runtime.comm import collectives as C
     from hybridshard.topology.groups import ShardGroups, group_name
 
     nothing = ShardGroups(shard=None, replicate=None)

@@ -12,8 +12,8 @@ class _Stopped(Exception):
 @pytest.fixture
 def exiting(monkeypatch):
     """``exits._at_exit`` of rank 0 of 2 after 3 steps, with the store and the peers faked."""
-    from hybridshard.runtime import exits, faults, peers
-    from hybridshard.runtime.position import where
+    from hybridshard.runtime.faults import errors, exits, peers
+    from hybridshard.runtime.trace.position import where
 
     monkeypatch.setattr(where, "step", 3)
     monkeypatch.setattr(exits, "_RAISED", {"raised": False})

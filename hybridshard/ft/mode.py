@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hybridshard.ft.healing import load_shard_state, replicas_agree, shard_digest, shard_state
 from hybridshard.ft.membership import Membership
 from hybridshard.ft.replicate import ManagedReplicate
-from hybridshard.ft.state import load_shard_state, replicas_agree, shard_digest, shard_state
-from hybridshard.runtime import collectives as C
-from hybridshard.runtime.engine import get_runtime
+from hybridshard.runtime.comm import collectives as C
+from hybridshard.runtime.engine import get_engine
 from hybridshard.state.replicas import ReplicaDivergence
 from hybridshard.topology.groups import collective_device
 
@@ -100,7 +100,7 @@ class FaultTolerance:
         max_failed_steps: int = 20,
     ) -> None:
         torchft = import_torchft()
-        runtime = get_runtime(model)
+        runtime = get_engine(model)
         if min_replicas < 1 or max_failed_steps < 1:
             raise ValueError(f"min_replicas and max_failed_steps must be at least 1; got {min_replicas}, {max_failed_steps}")
         if not dist.is_initialized():
@@ -162,7 +162,7 @@ class FaultTolerance:
         """Start this step's quorum (it completes while the forward runs). Once per optimizer step,
         before its first forward (``no_sync`` micro-batches included)."""
         self.manager.start_quorum()
-        get_runtime(self.model).replicate_hook.quorum_started = True
+        get_engine(self.model).replicate_hook.quorum_started = True
         self._started = self._had_quorum = True
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
@@ -277,6 +277,6 @@ class FaultTolerance:
 
     def shutdown(self) -> None:
         """Stop the manager's servers; the model reduces across nothing after it."""
-        get_runtime(self.model).replicate_hook = None
+        get_engine(self.model).replicate_hook = None
         self._quorum_hook.remove()
         self.manager.shutdown(wait=False)
