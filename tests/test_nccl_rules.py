@@ -28,7 +28,7 @@ def exiting(monkeypatch):
         stops.append(code)
         raise _Stopped
 
-    monkeypatch.setattr(faults, "stop_now", stop_now)
+    monkeypatch.setattr(errors, "stop_now", stop_now)
 
     def run(peer_seconds: list[float]) -> tuple[list[int], int]:
         """Rank 1 answers "in a collective for s seconds" for each s, then says it finished."""

@@ -36,6 +36,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from hybridshard.bench.live_bytes import LiveTensorBytes
 from hybridshard.runtime.comm.collectives import CollectiveCounts
 
 logger = logging.getLogger(__name__)
@@ -126,8 +127,6 @@ def peak_step_bytes(step: Callable[[], object], device: torch.device) -> int:
         step()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device) - before)
-    from hybridshard.bench.live_bytes import LiveTensorBytes
-
     live = LiveTensorBytes()
     with live, live.counting_resizes():
         step()

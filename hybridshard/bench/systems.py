@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import hybridshard as hs
 from hybridshard.bench.config import BenchConfig, Contestant, System
 from hybridshard.bench.model import GPT, Block
 
@@ -61,8 +62,6 @@ def build_model(cfg: BenchConfig) -> GPT:
 
 
 def _hybridshard(model: nn.Module, cfg: BenchConfig, groups, contestant: Contestant, device) -> nn.Module:
-    import hybridshard as hs
-
     return hs.shard(model, strategy=cfg.strategy, groups=groups, wrap={Block}, device=device,
                     **dict(contestant.options))
 

@@ -36,6 +36,7 @@ from hybridshard.ft.membership import Membership
 from hybridshard.ft.replicate import ManagedReplicate
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.engine import get_engine
+from hybridshard.state import checkpoint
 from hybridshard.state.replicas import ReplicaDivergence
 from hybridshard.topology.groups import collective_device
 
@@ -256,20 +257,16 @@ class FaultTolerance:
     def save_checkpoint(self, path: str, *, extra: Any = None) -> bool:
         """Save a checkpoint from the first live group only (each group holds the whole model); True
         on the group that saved. Call it after a committed :meth:`step`."""
-        from hybridshard.state.checkpoint import save_checkpoint
-
         if self.replica_rank != 0:
             return False
-        save_checkpoint(path, self.model, optimizer=self.optimizer,
+        checkpoint.save_checkpoint(path, self.model, optimizer=self.optimizer,
                         extra={"torchft": self.state_dict(), "user": extra})
         return True
 
     def load_checkpoint(self, path: str) -> Any:
         """Load a checkpoint saved by :meth:`save_checkpoint` (the fallback when every group was lost);
         restores the step count and returns the saved ``extra``."""
-        from hybridshard.state.checkpoint import load_checkpoint
-
-        saved = load_checkpoint(path, self.model, optimizer=self.optimizer)
+        saved = checkpoint.load_checkpoint(path, self.model, optimizer=self.optimizer)
         if not isinstance(saved, dict) or "torchft" not in saved:
             raise ValueError(f"{path} was not saved by FaultTolerance.save_checkpoint (no torchft step in it)")
         self.manager.load_state_dict(saved["torchft"])

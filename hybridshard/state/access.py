@@ -18,6 +18,7 @@ from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.engine import get_engine, is_sharded
 from hybridshard.runtime.setup.state_guard import module_state_dict
 from hybridshard.runtime.units.unit import ShardedState, Unit
+from hybridshard.state.pieces import replica_part
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,6 @@ def param_ranges(model: nn.Module, *, replica_split: bool = False) -> dict[str, 
     """
     if not is_sharded(model):
         return {n: ParamRange(tuple(p.shape), 0, p.numel(), 0) for n, p in model.named_parameters()}
-    from hybridshard.state.pieces import replica_part
 
     out = {}
     for unit in units(model):
