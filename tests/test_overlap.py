@@ -209,7 +209,7 @@ def run_with_slow_replicate(overlap: bool, delay: float) -> dict:
             original = unit._post_backward
 
             def post(leaf, original=original):
-                in_flight.append(sum(job.state is not JobState.REDUCED for job in runtime.reducer._jobs))
+                in_flight.append(sum(job.state is not JobState.REDUCED for job in runtime.executor._jobs))
                 original(leaf)
             unit.flat.unsharded._post_accumulate_grad_hooks.clear()
             unit.flat.unsharded.register_post_accumulate_grad_hook(post)

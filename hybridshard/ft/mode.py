@@ -101,7 +101,7 @@ class FaultTolerance:
         max_failed_steps: int = 20,
     ) -> None:
         torchft = import_torchft()
-        runtime = get_engine(model)
+        engine = get_engine(model)
         if min_replicas < 1 or max_failed_steps < 1:
             raise ValueError(f"min_replicas and max_failed_steps must be at least 1; got {min_replicas}, {max_failed_steps}")
         if not dist.is_initialized():
@@ -109,20 +109,20 @@ class FaultTolerance:
                 "fault-tolerant mode expected the replica group's process group, found none; call "
                 "torch.distributed.init_process_group (or run under hybridshard launch) before FaultTolerance"
             )
-        for unit in runtime.units:
+        for unit in engine.units:
             if unit.strategy.is_hybrid and unit.groups.replicate_size != 1:
                 raise ValueError(
                     f"fault-tolerant mode runs each replica group as its own job, but unit {unit.name!r} has a "
                     f"replicate group of {unit.groups.replicate_size} ranks; start one job per node "
                     "(hybridshard launch --fault-tolerant) so that init_groups() plans replicate size 1"
                 )
-        if runtime.compressor is not None:
+        if engine.compressor is not None:
             raise ValueError(
                 "fault-tolerant mode reduces across replica groups with torchft's all-reduce, which "
                 f"replicate_compression={runtime.compressor.mode!r} cannot run on; shard without "
                 "replicate_compression"
             )
-        if runtime.replicate_hook is not None:
+        if engine.replicate_hook is not None:
             raise ValueError("this model already runs in fault-tolerant mode: create one FaultTolerance per model")
         self.model, self.optimizer = model, optimizer
         lighthouse = _required(lighthouse, LIGHTHOUSE_ENV, "the lighthouse's address")
@@ -148,9 +148,9 @@ class FaultTolerance:
             connect_timeout=timedelta(seconds=timeout),
             init_sync=init_sync,
         )
-        runtime.replicate_hook = ManagedReplicate(self.manager)
+        engine.replicate_hook = ManagedReplicate(self.manager)
         # The quorum is awaited when the forward ends, not inside backward: see [Note: managed replicate all-reduce].
-        self._quorum_hook = model.register_forward_hook(runtime.replicate_hook.quorum_ready)
+        self._quorum_hook = model.register_forward_hook(engine.replicate_hook.quorum_ready)
         self._started = False
         self._had_quorum = False
         self.min_replicas, self.max_failed_steps = min_replicas, max_failed_steps

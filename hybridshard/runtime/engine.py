@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_map
 
 from hybridshard.runtime.comm import agreement
 from hybridshard.runtime.comm.executors.select import ExecutorKind, make_executor
+from hybridshard.runtime.grads.compression import ReplicateCompressor
 from hybridshard.runtime.grads.reduce import SyncMode
 from hybridshard.runtime.trace.counters import CollectiveCounts
 from hybridshard.runtime.trace.position import where
@@ -45,6 +46,10 @@ from hybridshard.runtime.units.offload import CPUOffload, arrived
 from hybridshard.runtime.units.prefetch import Pass, Prefetcher
 from hybridshard.runtime.units.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.runtime.units.unit import Unit
+
+if TYPE_CHECKING:
+    from hybridshard.ft.replicate import ManagedReplicate
+    from hybridshard.runtime.optim.replica_slices import SliceSync
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +70,7 @@ class Engine:
         *,
         prefetch: int = 1,
         overlap_grads: bool = True,
-        compressor: Any = None,
+        compressor: ReplicateCompressor | None = None,
         check_steps: bool = True,
         executor: ExecutorKind = ExecutorKind.THREADS,
         offload: CPUOffload | None = None,
@@ -96,14 +101,14 @@ class Engine:
         (CUDA); see :mod:`hybridshard.runtime.comm.executors.select`."""
         self.compressor = compressor
         """A :class:`~hybridshard.runtime.grads.compression.ReplicateCompressor` for hybrid units, or ``None``."""
-        self.replicate_hook: Any = None
+        self.replicate_hook: ManagedReplicate | None = None
         """Fault-tolerant mode: reduces hybrid units' shards across replica groups in place of the
         replicate group (``all_reduce(shard, stats=, async_op=)``); see :mod:`hybridshard.ft`."""
         self.stats = CollectiveCounts()
         """What the units' collectives moved; read by :func:`hybridshard.comm_stats`."""
         self.steps = 0
         """Backwards that reduced gradients (not inside ``no_sync``) since the stats were reset."""
-        self.replica_slices: Any = None
+        self.replica_slices: SliceSync | None = None
         """A :class:`~hybridshard.runtime.optim.replica_slices.SliceSync` when the optimizer is sharded across
         replicas, else ``None``."""
 
@@ -313,11 +318,11 @@ def _conversion_error(what: str, name: str, old: torch.Tensor, new: torch.Tensor
 class _FinishBackward:
     """The engine callback that ends a backward (an object, so the runtime can hold a weak reference)."""
 
-    def __init__(self, runtime: Engine) -> None:
-        self.runtime = runtime
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
     def __call__(self) -> None:
-        self.runtime._finish_backward()
+        self.engine._finish_backward()
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -331,13 +336,13 @@ def holds_sharded_module(model: nn.Module) -> bool:
 
 
 def get_engine(model: nn.Module) -> Engine:
-    runtime = getattr(model, _ATTR, None)
-    if runtime is None:
+    engine = getattr(model, _ATTR, None)
+    if engine is None:
         raise ValueError(
             f"{type(model).__name__} is not sharded: call hybridshard.shard(model, ...) first and pass "
             "the model it returned"
         )
-    return runtime
+    return engine
 
 
 @contextlib.contextmanager
@@ -352,14 +357,14 @@ def no_sync(model: nn.Module, *, reduce_scatter: bool = False) -> Iterator[None]
     one backward over the concatenated micro-batches. What the block holds joins ``.grad`` at that
     next backward; ``optimizer.zero_grad()`` before it does not clear it.
     """
-    runtime = get_engine(model)
-    if runtime.sync_mode is not SyncMode.SYNC:
+    engine = get_engine(model)
+    if engine.sync_mode is not SyncMode.SYNC:
         raise ValueError("no_sync blocks do not nest: leave the open block first")
-    runtime.sync_mode = SyncMode.SHARD_ONLY if reduce_scatter else SyncMode.LOCAL
+    engine.sync_mode = SyncMode.SHARD_ONLY if reduce_scatter else SyncMode.LOCAL
     try:
         yield
     finally:
-        runtime.sync_mode = SyncMode.SYNC
+        engine.sync_mode = SyncMode.SYNC
 
 
 def comm_stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:

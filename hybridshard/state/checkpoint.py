@@ -101,15 +101,15 @@ def _topology(model: nn.Module) -> dict[str, Any]:
     node = os.environ.get("HYBRIDSHARD_NODE_NAME") or socket.gethostname()
     if not is_sharded(model):
         return {"world_size": 1, "strategy": None, "nodes": [node], "units": []}
-    runtime = get_engine(model)
+    engine = get_engine(model)
     nodes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, node)
     units = [
         {"name": u.name, "strategy": u.strategy.name, "shard_size": u.groups.shard_size,
          "replicate_size": u.groups.replicate_size, "numel": u.flat.layout.numel}
-        for u in runtime.units
+        for u in engine.units
     ]
-    return {"world_size": dist.get_world_size(), "strategy": runtime.strategy.name, "nodes": nodes, "units": units}
+    return {"world_size": dist.get_world_size(), "strategy": engine.strategy.name, "nodes": nodes, "units": units}
 
 
 # -- save ------------------------------------------------------------------------------------------

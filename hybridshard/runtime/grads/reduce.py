@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.comm.executors import emulate
+
+if TYPE_CHECKING:
+    from hybridshard.runtime.engine import Engine
+    from hybridshard.runtime.units.unit import Unit
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +81,9 @@ class SyncMode(enum.Enum):
 class GradReduction:
     """One unit's gradient reduction, and what ``no_sync`` holds for it between backwards."""
 
-    def __init__(self, unit: Any, runtime: Any) -> None:
+    def __init__(self, unit: Unit, engine: Engine) -> None:
         self.unit = unit
-        self.runtime = runtime
+        self.engine = engine
         self.pending_full: torch.Tensor | None = None
         """Unsharded gradient accumulated by ``no_sync()`` backwards (``SyncMode.LOCAL``)."""
         self.pending_shard: torch.Tensor | None = None
@@ -96,8 +100,8 @@ class GradReduction:
         the result to :meth:`reduced` at the end of backward (added to ``.grad``, or held inside
         ``no_sync(reduce_scatter=True)``). See [Note: overlapped gradient reduction] in :mod:`hybridshard.runtime.comm.executors.threads`.
         """
-        unit, runtime = self.unit, self.runtime
-        runtime.before_reduction()  # see [Note: step check]
+        unit, engine = self.unit, self.engine
+        engine.before_reduction()  # see [Note: step check]
         groups, flat, reduce_dtype = unit.groups, unit.flat, unit.reduce_dtype
         layout = flat.layout
         if grad is None:
@@ -112,7 +116,7 @@ class GradReduction:
             return
         held, self.pending_shard = self.pending_shard, None
         hold = mode is SyncMode.SHARD_ONLY  # with overlap, the executor's result is held by ``reduced``
-        stats = runtime.stats
+        stats = engine.stats
         # Allocated here, on the compute stream, like every buffer that outlives the side streams.
         sliced = None
         if not hold and unit.replica_slice is not None:
@@ -169,9 +173,9 @@ class GradReduction:
             def all_reduce() -> C.Pending | None:
                 return C.all_reduce(scale(shard), groups.replicate, stats=stats, async_op=True)
 
-            runtime.executor.submit(unit, None, shard, all_reduce, lambda s: (s, None))
+            engine.executor.submit(unit, None, shard, all_reduce, lambda s: (s, None))
             return
-        runtime.executor.submit(unit, grad, shard, issue_first, scale_and_replicate)
+        engine.executor.submit(unit, grad, shard, issue_first, scale_and_replicate)
 
     def reduced(self, shard: torch.Tensor, mode: SyncMode) -> None:
         """The executor's result for this unit at the end of a backward in ``mode``: held for the
@@ -183,14 +187,14 @@ class GradReduction:
 
     def _replicate(self, shard: torch.Tensor, async_op: bool = False) -> C.Pending | None:
         """All-reduce a scaled gradient shard across the replicate group (compressed if asked)."""
-        unit, runtime = self.unit, self.runtime
-        if runtime.replicate_hook is not None and unit.strategy.is_hybrid:
+        unit, engine = self.unit, self.engine
+        if engine.replicate_hook is not None and unit.strategy.is_hybrid:
             # Fault-tolerant mode: the replicas are separate jobs; see hybridshard/ft/replicate.py.
-            return runtime.replicate_hook.all_reduce(shard, stats=runtime.stats, async_op=async_op)
+            return engine.replicate_hook.all_reduce(shard, stats=engine.stats, async_op=async_op)
         if unit.groups.replicate_size == 1:
             return None
-        compressor = runtime.compressor
+        compressor = engine.compressor
         if compressor is not None and unit.strategy.is_hybrid:
-            compressor.all_reduce(shard, unit.groups.replicate, key=unit.index, stats=runtime.stats)
+            compressor.all_reduce(shard, unit.groups.replicate, key=unit.index, stats=engine.stats)
             return None
-        return C.all_reduce(shard, unit.groups.replicate, stats=runtime.stats, async_op=async_op)
+        return C.all_reduce(shard, unit.groups.replicate, stats=engine.stats, async_op=async_op)

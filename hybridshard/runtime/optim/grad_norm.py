@@ -46,18 +46,18 @@ def clip_grad_norm_(
     whole job. Still one all-reduce of one number, with no division, so the
     counting is exact. The max norm (``norm_type=inf``) uses the same ranks and a MAX reduction.
     """
-    runtime = get_engine(model)
+    engine = get_engine(model)
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"norm_type must be positive (2.0, or inf for the max norm); got {norm_type}")
-    units = runtime.units
+    units = engine.units
     # Slices of the optimizer sharded across replicas tile each unit over the whole job.
     sliced = any(u.replica_slice is not None for u in units)
     uniform = all(u.groups is units[0].groups for u in units) and not sliced
     group = units[0].groups.shard if uniform else dist.group.WORLD
     group_size = units[0].groups.shard_size if uniform else dist.get_world_size()
     counted = [g for u in units if uniform or _counts_here(u) for g in _grads(u)]
-    device = runtime.device
+    device = engine.device
     if math.isinf(norm_type):
         maxima = [g.detach().abs().max().float() for g in counted if g.numel()]
         local = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)

@@ -64,6 +64,7 @@ import torch.nn as nn
 
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.engine import get_engine
+from hybridshard.runtime.units.unit import Unit
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class ReplicaSlice:
     """One unit's slice of its shard: the gradient's reduce-scatter and the parameters' all-gather
     across the replicate group; see [Note: optimizer state sharded across replicas]."""
 
-    def __init__(self, unit: Any) -> None:
+    def __init__(self, unit: Unit) -> None:
         self.unit = unit
         self.state = SliceState.CURRENT
         self._pending: Any = None
@@ -116,29 +117,29 @@ class ReplicaSlice:
         under the unit's index), which finishes before returning.
         """
         unit = self.unit
-        runtime = unit.runtime
+        engine = unit.engine
         group = unit.groups.replicate
-        compressor = runtime.compressor
+        compressor = engine.compressor
         if compressor is not None:
-            out.copy_(compressor.reduce_scatter(shard, group, key=unit.index, stats=runtime.stats))
+            out.copy_(compressor.reduce_scatter(shard, group, key=unit.index, stats=engine.stats))
             return out, None
-        return out, C.reduce_scatter(out, shard, group, stats=runtime.stats, async_op=async_op)
+        return out, C.reduce_scatter(out, shard, group, stats=engine.stats, async_op=async_op)
 
     def issue_gather(self) -> None:
         """Start the all-gather of this replica's updated slice into every replica's master shard."""
         self.wait()
         unit = self.unit
-        flat, runtime = unit.flat, unit.runtime
+        flat, engine = unit.flat, unit.engine
         # The output covers the input's own range: send a copy, so the collective never reads what it
         # writes; with a separate master slice, the copy is the cast to the compute dtype.
         self._input = flat.owned.detach().to(flat.sharded.dtype, copy=True)
-        streams = getattr(runtime.executor, "streams", None)
+        streams = getattr(engine.executor, "streams", None)
         if streams is None or streams.all_reduce is None:
-            self._pending = C.all_gather(flat.sharded, self._input, unit.groups.replicate, stats=runtime.stats,
+            self._pending = C.all_gather(flat.sharded, self._input, unit.groups.replicate, stats=engine.stats,
                                          async_op=True)
         else:  # CUDA: on the replicate stream, after the optimizer's work; see [Note: stream executor]
             with streams.side(streams.all_reduce):
-                pending = C.all_gather(flat.sharded, self._input, unit.groups.replicate, stats=runtime.stats,
+                pending = C.all_gather(flat.sharded, self._input, unit.groups.replicate, stats=engine.stats,
                                        async_op=True)
                 self._pending = streams.fence(streams.all_reduce, pending)
         self.state = SliceState.GATHERING
@@ -160,7 +161,7 @@ class ReplicaSlice:
 class SliceSync:
     """The slices of one model's units and the optimizer steps that update them."""
 
-    def __init__(self, units: Iterable[Any]) -> None:
+    def __init__(self, units: Iterable[Unit]) -> None:
         self.slices = [u.replica_slice for u in units if u.replica_slice is not None]
         self._param_ids = {id(p) for s in self.slices for p in s.unit.flat.params}
         self._by_param = {id(p): s for s in self.slices for p in s.unit.flat.params}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,10 +21,13 @@ from hybridshard.runtime.setup.compile import compile_units, parse_compile
 from hybridshard.runtime.setup.deferred_init import DeferredInit, has_meta
 from hybridshard.runtime.setup.model_check import INIT_SEED, check_devices, check_same_model
 from hybridshard.runtime.setup.state_guard import guard_state_dict
-from hybridshard.runtime.units.offload import parse_offload
+from hybridshard.runtime.units.offload import CPUOffload, parse_offload
 from hybridshard.runtime.units.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.runtime.units.wrap import WrapPolicy, choose_units, split_frozen as split_frozen_parts
 from hybridshard.topology.groups import ShardGroups, init_groups, name_group
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +38,8 @@ def shard(
     model: nn.Module,
     *,
     strategy: ShardingStrategy | str = ShardingStrategy.HYBRID_SHARD,
-    groups: Any = None,
-    mesh: Any = None,
+    groups: ShardGroups | None = None,
+    mesh: DeviceMesh | None = None,
     wrap: WrapPolicy = None,
     mixed_precision: MixedPrecision | None = None,
     device: torch.device | str | None = None,
@@ -48,7 +51,7 @@ def shard(
     check_steps: bool = True,
     split_frozen: float | None = 0.5,
     executor: str | None = None,
-    offload: Any = None,
+    offload: CPUOffload | bool | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     init_seed: int | None = None,
     shard_optimizer_across_replicas: bool = False,
@@ -178,7 +181,7 @@ def shard(
     if deferred is not None:  # every rank is here: the same model, meta alike
         deferred.seed = rank0_initial_seed() if init_seed is None else int(init_seed)
 
-    runtime = Engine(model, strategy, mixed_precision, device, prefetch=prefetch, overlap_grads=overlap_grads,
+    engine = Engine(model, strategy, mixed_precision, device, prefetch=prefetch, overlap_grads=overlap_grads,
                       compressor=compressor, check_steps=check_steps, executor=executor_kind,
                       offload=offload_policy)
     slice_optimizer = {s: shard_optimizer_across_replicas and s.is_hybrid and by_strategy[s].replicate_size > 1
@@ -196,7 +199,7 @@ def shard(
                 specs[j] = new_spec
             spec = specs[i]
         units.append(
-            build_unit(spec, s, by_strategy[s], mixed_precision, device, rank0_index.get(id(by_strategy[s])), runtime,
+            build_unit(spec, s, by_strategy[s], mixed_precision, device, rank0_index.get(id(by_strategy[s])), engine,
                        slice_optimizer=slice_optimizer[s])
         )
         if deferred is not None and (i + 1 == len(specs) or specs[i + 1].part_of is None):
@@ -211,10 +214,10 @@ def shard(
         buf.data = buf.data.to(device)
         if sync_module_states:
             broadcast_from_rank0(buf.data, root_groups, rank0_index[id(root_groups)])
-    runtime.attach(units)
+    engine.attach(units)
     if any(u.replica_slice is not None for u in units):
-        runtime.replica_slices = SliceSync(units)
-    runtime.guard_conversions()
+        engine.replica_slices = SliceSync(units)
+    engine.guard_conversions()
     guard_state_dict(model)
     if compile_options is not None:
         compile_units(units, compile_options)
@@ -259,7 +262,7 @@ def _check_low_precision_grads(mp: MixedPrecision | None, tensor_type: type) -> 
 
 
 def _resolve_groups(
-    strategies: Sequence[ShardingStrategy], groups: Any, mesh: Any = None
+    strategies: Sequence[ShardingStrategy], groups: ShardGroups | None, mesh: DeviceMesh | None = None
 ) -> tuple[dict[ShardingStrategy, ShardGroups], ShardGroups | None]:
     """The :class:`ShardGroups` of each strategy; strategies that communicate alike share one object.
 
@@ -296,7 +299,7 @@ def _resolve_groups(
     return by_strategy, hybrid if hybrid is not None else groups
 
 
-def _resolve_device(device: torch.device | str | None, groups: Any) -> torch.device:
+def _resolve_device(device: torch.device | str | None, groups: ShardGroups | None) -> torch.device:
     if device is None:
         found = getattr(groups, "device", None)
         if found is not None:

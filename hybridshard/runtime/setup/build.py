@@ -69,7 +69,7 @@ def build_unit(
     mp: MixedPrecision | None,
     device: torch.device,
     rank0_index: int | None,
-    runtime: Engine,
+    engine: Engine,
     *,
     slice_optimizer: bool = False,
 ) -> Unit:
@@ -113,7 +113,7 @@ def build_unit(
                     sharded[part.shard_offset : part.shard_offset + part.numel].copy_(source)
     owned = owned_range(layout.shard_numel, groups.replicate_rank, groups.replicate_size) if slice_optimizer else None
     flat = FlatParam(layout, spec.params, sharded, compute_dtype=compute_dtype, grad_dtype=grad_dtype,
-                     offload=runtime.offload, device=device, owned=owned)
+                     offload=engine.offload, device=device, owned=owned)
     unit = Unit(
         spec.name,
         spec.module,
@@ -122,7 +122,7 @@ def build_unit(
         strategy=strategy,
         groups=groups,
         reduce_dtype=reduce_dtype,
-        runtime=runtime,
+        engine=engine,
     )
     if slice_optimizer:
         unit.replica_slice = ReplicaSlice(unit)

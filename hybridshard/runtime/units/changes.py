@@ -10,18 +10,21 @@ backward and raises a ``RuntimeError`` naming the parameter; see [Note: stale ga
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybridshard.runtime.faults import errors
+
+if TYPE_CHECKING:
+    from hybridshard.runtime.units.unit import Unit
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["check_unchanged"]
 
 
-def check_unchanged(unit: Any) -> None:
+def check_unchanged(unit: Unit) -> None:
     """Raise if a parameter of ``unit`` was replaced or changed in place while it stayed gathered."""
     if unit.views is None:
         return
@@ -43,7 +46,7 @@ def _one_of(slots: Any) -> str:
     return "one of " + ", ".join(s.name for s in slots)
 
 
-def _find_changed(unit: Any) -> str:
+def _find_changed(unit: Unit) -> str:
     """Name the first parameter whose gathered values left this rank's master shard.
 
     Local on purpose: the change may have happened on this rank only, and a collective that only
@@ -59,7 +62,7 @@ def _find_changed(unit: Any) -> str:
     return _one_of(slots)
 
 
-def _raise(unit: Any, name: str, how: str) -> None:
+def _raise(unit: Unit, name: str, how: str) -> None:
     """Raise here, and leave the message for the peers: the change may be on this rank only
     (see [Note: naming the lost rank] in :mod:`hybridshard.runtime.faults.errors`)."""
     message = (

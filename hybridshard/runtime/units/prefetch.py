@@ -25,7 +25,10 @@ from __future__ import annotations
 import enum
 import logging
 import zlib
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from hybridshard.runtime.units.unit import Unit
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ class _Order:
 class Prefetcher:
     """Gathers up to ``depth`` units ahead of the one computing; see [Note: prefetch order]."""
 
-    def __init__(self, units: Sequence[Any], depth: int) -> None:
+    def __init__(self, units: Sequence[Unit], depth: int) -> None:
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
             raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead; 0 = off); got {depth!r}")
         self.units = list(units)
@@ -86,7 +89,7 @@ class Prefetcher:
     def begin(self, phase: Pass) -> None:
         self._orders[phase].start()
 
-    def before_unit(self, phase: Pass, unit: Any) -> None:
+    def before_unit(self, phase: Pass, unit: Unit) -> None:
         """``unit`` is about to gather and compute: issue its gather and the next ones, in order."""
         following = self._orders[phase].visit(unit.index)
         if not self.depth or not following:

@@ -72,7 +72,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn as nn
@@ -87,6 +87,10 @@ from hybridshard.runtime.units.flat_param import FlatParam
 from hybridshard.runtime.units.prefetch import Pass
 from hybridshard.runtime.units.strategy import ShardingStrategy
 from hybridshard.topology.groups import ShardGroups
+
+if TYPE_CHECKING:
+    from hybridshard.runtime.engine import Engine
+    from hybridshard.runtime.optim.replica_slices import ReplicaSlice
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +127,7 @@ class Unit:
         strategy: ShardingStrategy,
         groups: ShardGroups,
         reduce_dtype: torch.dtype,
-        runtime: Any,
+        engine: Engine,
     ) -> None:
         self.name = name or "<root>"
         self.index = -1
@@ -140,7 +144,7 @@ class Unit:
         """The unit's own groups: hybrid units use the shard/replicate groups, the others the world."""
         self.reshard_after_forward = strategy.reshard_after_forward
         self.reduce_dtype = reduce_dtype
-        self.runtime = runtime
+        self.engine = engine
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.views: list[torch.Tensor] | None = None
@@ -151,8 +155,8 @@ class Unit:
         """The unsharded buffer's version counter when the views were last known good."""
         self.gathered_versions: tuple[int, ...] = ()
         """The master's version counters at the last gather; see [Note: stale gathers]."""
-        self.reduction = GradReduction(self, runtime)
-        self.replica_slice: Any = None
+        self.reduction = GradReduction(self, engine)
+        self.replica_slice: ReplicaSlice | None = None
         """This rank's optimizer slice when the optimizer is sharded across replicas, else ``None``
         (see :mod:`hybridshard.runtime.optim.replica_slices`)."""
         self._gathering: C.Pending | None = None
@@ -224,7 +228,7 @@ class Unit:
         """Start copying an offloaded master shard to the device ahead of its gather (see [Note: CPU
         offload] in :mod:`hybridshard.runtime.units.offload`); nothing without offload."""
         if self.sharded_state is ShardedState.SHARDED and self.groups.shard_size > 1:
-            self.flat.stage_gather_input(self.runtime.executor.copy_stream)
+            self.flat.stage_gather_input(self.engine.executor.copy_stream)
 
     def _gather(self, async_op: bool = False) -> C.Pending | None:
         """Fill the allocated unsharded buffer from every rank's master shard."""
@@ -239,8 +243,8 @@ class Unit:
         if self.flat.aliases_master or not self.flat.layout.slots:
             return C.DONE  # nothing to gather: the master is the buffer, or the unit owns no parameter
         if self.groups.shard_size > 1:
-            pending = self.runtime.executor.gather(self.flat.unsharded.data, self.flat.gather_input, self.groups.shard,
-                                                   stats=self.runtime.stats, async_op=async_op, after=after)
+            pending = self.engine.executor.gather(self.flat.unsharded.data, self.flat.gather_input, self.groups.shard,
+                                                   stats=self.engine.stats, async_op=async_op, after=after)
             if after is not None:  # gloo bumps the master's version when the replicas' gather completes
                 self.gathered_versions = self.flat.master_versions()
             return pending
@@ -279,7 +283,7 @@ class Unit:
 
     def pre_forward(self) -> None:
         where.unit = self.index
-        if self.runtime.in_backward:
+        if self.engine.in_backward:
             # Activation-checkpoint recomputation inside backward: compute with fresh views of
             # the gathered buffer; leave the states to the backward hooks.
             # See [Note: recomputation in backward].
@@ -300,14 +304,14 @@ class Unit:
         self.training_state = TrainingState.FORWARD
 
     def post_forward(self, output: Any) -> Any:
-        if self.runtime.in_backward:
+        if self.engine.in_backward:
             return output
         self.training_state = TrainingState.IDLE
         if not torch.is_grad_enabled():
             self.reshard()
             return output
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if (self.reshard_after_forward and not self.runtime.is_root(self)) or not (tensors or self.expects_grad):
+        if (self.reshard_after_forward and not self.engine.is_root(self)) or not (tensors or self.expects_grad):
             self.reshard()  # the second case: no backward will pass here, see [Note: resharding frozen units early]
         else:
             self.views_version = self.flat.unsharded._version
@@ -362,14 +366,14 @@ class Unit:
     # -- backward --------------------------------------------------------------------------------
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        self.runtime.on_backward_hook()
+        self.engine.on_backward_hook()
         where.unit = self.index
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return
         started = time.perf_counter()
         if self.sharded_state is ShardedState.UNSHARDED:
             check_unchanged(self)
-        self.runtime.prefetcher.before_unit(Pass.BACKWARD, self)
+        self.engine.prefetcher.before_unit(Pass.BACKWARD, self)
         self.unshard()
         if self.views is None:
             # See [Note: recomputation in backward]: checkpointing inside the unit's forward reads
@@ -380,13 +384,13 @@ class Unit:
 
     def _post_backward(self, leaf: torch.Tensor) -> None:
         assert self.training_state is not TrainingState.POST_BACKWARD, f"unit {self.name}: second post-backward"
-        self.runtime.on_backward_hook()
+        self.engine.on_backward_hook()
         where.unit = self.index
         started = time.perf_counter()
         grad = leaf.grad
         leaf.grad = None
         self.reshard()  # the parameters are done with: freed before the reduction allocates its buffers
-        self.reduction.reduce(grad, self.runtime.sync_mode, overlap=self.runtime.overlap_grads)
+        self.reduction.reduce(grad, self.engine.sync_mode, overlap=self.engine.overlap_grads)
         self.training_state = TrainingState.POST_BACKWARD
         self.hook_seconds += time.perf_counter() - started
         if self.frozen_part is not None:
@@ -394,7 +398,7 @@ class Unit:
 
     def finish_backward(self) -> None:
         """End of backward: reduce what no hook reduced, free the buffer, go back to IDLE."""
-        if self.training_state is not TrainingState.POST_BACKWARD and self.runtime.sync_mode is SyncMode.SYNC:
+        if self.training_state is not TrainingState.POST_BACKWARD and self.engine.sync_mode is SyncMode.SYNC:
             if self.reduction.holds_gradient:
                 self.reduction.reduce(None, SyncMode.SYNC)
         self.reshard()

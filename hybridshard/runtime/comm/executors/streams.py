@@ -42,12 +42,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.comm.executors.base import ExecutorBase, Finish, JobState
+
+if TYPE_CHECKING:
+    from hybridshard.runtime.units.unit import Unit
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +137,7 @@ class StreamSet:
 class StreamJob:
     """One unit's gradient between its post-backward hook and the end of backward."""
 
-    def __init__(self, unit: Any, full: torch.Tensor, shard: torch.Tensor, finish: Finish,
+    def __init__(self, unit: Unit, full: torch.Tensor, shard: torch.Tensor, finish: Finish,
                  scattered: Fence, done: Fence, read: torch.Tensor, first: Callable[[], Any]) -> None:
         self.unit = unit
         self.full = full
@@ -194,7 +197,7 @@ class StreamExecutor(ExecutorBase):
         fence.wait()
         return None
 
-    def submit(self, unit: Any, full: torch.Tensor, shard: torch.Tensor,
+    def submit(self, unit: Unit, full: torch.Tensor, shard: torch.Tensor,
                issue_first: Callable[[], C.Pending | None], finish: Finish) -> None:
         """Issue a unit's gradient reduction now: ``issue_first()`` (its reduce-scatter, or
         NO_SHARD's all-reduce) on the reduce-scatter stream, then ``finish`` on the all-reduce stream."""
@@ -211,7 +214,7 @@ class StreamExecutor(ExecutorBase):
     def end_step(self) -> None:
         self.streams.end_step()
 
-    def drain(self) -> list[tuple[Any, torch.Tensor]]:
+    def drain(self) -> list[tuple[Unit, torch.Tensor]]:
         """The compute stream waits for every job, in order; ``(unit, reduced shard)`` for each.
         Raises the first failure after every job was waited for."""
         jobs, self._jobs = self._jobs, []

@@ -41,13 +41,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.comm.executors.base import ExecutorBase, Finish, JobState
 from hybridshard.runtime.trace import position
+
+if TYPE_CHECKING:
+    from hybridshard.runtime.units.unit import Unit
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ __all__ = ["GradJob", "ThreadExecutor"]
 class GradJob:
     """One unit's gradient between its post-backward hook and ``.grad``."""
 
-    def __init__(self, unit: Any, full: torch.Tensor, shard: torch.Tensor, first: C.Pending,
+    def __init__(self, unit: Unit, full: torch.Tensor, shard: torch.Tensor, first: C.Pending,
                  finish: Finish) -> None:
         self.unit = unit
         self._where = position.snapshot()
@@ -158,7 +161,7 @@ class ThreadExecutor(ExecutorBase):
             after.wait()
         return C.all_gather(output, make_input(), group, stats=stats, async_op=async_op)
 
-    def submit(self, unit: Any, full: torch.Tensor, shard: torch.Tensor,
+    def submit(self, unit: Unit, full: torch.Tensor, shard: torch.Tensor,
                issue_first: Callable[[], C.Pending | None], finish: Finish) -> None:
         """Issue a unit's first collective (``issue_first()``, from the calling thread) and hand the
         rest to the communication thread.
@@ -178,7 +181,7 @@ class ThreadExecutor(ExecutorBase):
         self._jobs.append(job)
         _worker().put(job)
 
-    def drain(self) -> list[tuple[Any, torch.Tensor]]:
+    def drain(self) -> list[tuple[Unit, torch.Tensor]]:
         """Wait for every job in order; ``(unit, reduced shard)`` for each. Raises the first failure
         after every job ended, so no collective is left running."""
         jobs, self._jobs = self._jobs, []
