@@ -178,34 +178,19 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
 
 
 # [Note: reduce-scatter on gloo]
-# gloo has no reduce-scatter of its own: ``reduce_scatter_tensor`` runs a full all-reduce and keeps
-# one chunk, so it sends twice the ring-minimum bytes. An ``all_to_all_single`` (chunk i to rank i)
-# followed by a local sum of the S received chunks sends exactly (S-1)/S of the input. In
-# benchmarks/collective_forms.py (4 gloo ranks on 2 shared CPUs, fp32, 64 KB to 16 MB per rank,
-# medians of 15 rounds in several runs) it took 0.3-0.8x the native time in groups of 4 and
-# 0.5-0.9x in groups of 2. A point-to-point ring (S-1 steps of isend/irecv) was slower up to 1 MB
-# (0.6-1.6x native) and faster only at 16 MB (0.42-0.59x against 0.45-0.80x), a gap that an
-# all-to-all into a reused receive buffer closed (0.35-0.51x): it is the cost of a fresh
-# full-size buffer, not of the pattern. The ring also cannot be issued asynchronously without a
-# thread, so CPU tensors on gloo take the all-to-all, with a buffer per call (a cache would hold a
-# full unit's gradient for good). Everything else (CUDA tensors on NCCL, other backends, shapes the
-# native call would reject) keeps ``reduce_scatter_tensor``.
-# The local sum runs in the input dtype, one rounding per addition, in the order gloo's ring
-# all-reduce adds (chunk c: rank c-1, then c-2, ..., then c itself), so a bf16 or fp32 result is the
-# native one bit for bit on almost every element; gloo orders tiny messages (a few elements per
-# rank) and segment boundaries otherwise, which differ by summation order only. Integer sums are
-# exact.
-# A rank's own chunk never travels: the all-to-all sends 0 elements to itself (split sizes), so the
-# receive buffer holds the other S-1 chunks only. In a pair there is none at all: the other rank's
-# chunk lands in ``output`` and the own chunk is added from the input after it. With more ranks the
-# own chunk is copied to ``output`` first and the others' chunks must be contiguous: they are for the
-# first and last rank; a middle rank moves the chunks after its own one place down, which only a
-# caller done with the input allows (``consume=True``, the runtime's gradient path); otherwise it
-# sends and receives every chunk as before. Either way the others' sum is built first and the own
-# chunk added last, which is the order above (``a + b`` and ``b + a`` are the same bits). A
-# reduce-scatter in flight during the next unit's backward thus holds a receive buffer of (S-1)/S
-# of its input instead of all of it, and none in a pair.
-
+# gloo has no reduce-scatter: ``reduce_scatter_tensor`` runs a full all-reduce and keeps one chunk
+# (twice the ring-minimum bytes). For CPU tensors on gloo an ``all_to_all_single`` (chunk i to rank
+# i) and a local sum of the received chunks send exactly (S-1)/S of the input (measured in
+# docs/runtime.md, "Reduce-scatter on gloo"); everything else keeps ``reduce_scatter_tensor``.
+# The local sum runs in the input dtype in the order gloo's ring adds (chunk c: rank c-1, c-2, ...,
+# then c), so results match the native ones bit for bit except where gloo orders tiny messages or
+# segment boundaries otherwise. A rank's own chunk never travels (it sends 0 elements to itself):
+# in a pair the other chunk lands in ``output`` and the own one is added after; with more ranks the
+# own chunk is copied to ``output`` first and the others' chunks must be contiguous, which a middle
+# rank gets by moving the chunks after its own one place down, only when the caller is done with
+# the input (``consume=True``, the gradient path). The others' sum is built first, the own chunk
+# added last. A reduce-scatter in flight thus holds (S-1)/S of its input as receive buffer, none in
+# a pair.
 
 def _sums_locally(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None, n: int) -> bool:
     """Whether this reduce-scatter runs as an all-to-all plus a local sum; see [Note: reduce-scatter on gloo]."""

@@ -1,33 +1,13 @@
 """Tensors handed to a backend's own threads, released only once the backend let go of them.
 
 [Note: tensors handed to a backend thread]
-An asynchronous collective keeps its tensors in a C++ work object that a backend thread runs
-(gloo's ``ProcessGroupGloo::runLoop``). That thread marks the work finished - ``wait()`` returns on
-the Python side - and only then drops its reference to the work. If Python has dropped its own
-references to a tensor by then (a temporary receive buffer, say), the C++ tensor outlives its Python
-object, so PyTorch keeps that object alive and lets the C++ side own it: the backend thread's drop
-then destroys the tensor and must take the GIL to release the Python object.
-
-During a run that only costs the thread a wait for the GIL. When the process is ending it is fatal:
-once the interpreter finalizes, CPython ends any other thread that asks for the GIL with
-``pthread_exit``, whose unwinding crosses the work's ``noexcept`` destructor, and the C++ runtime
-calls ``std::terminate``: the rank dies with SIGABRT and ``terminate called without an active
-exception`` after printing its results, and torchrun reports the finished job as failed. A core
-dump of such a rank shows exactly this: the main thread in ``Py_FinalizeEx``'s garbage collection, a
-gloo worker in ``~AsyncAlltoallWork -> TensorImpl::decref_pyobject -> take_gil ->
-PyThread_exit_thread -> std::terminate`` (the all-to-all of the last reduce-scatter, whose receive
-buffer is a temporary).
-
-So no tensor the runtime owns is ever handed to a backend: :func:`hand_off` gives the backend a
-fresh alias (``detach()``: same storage, its own C++ tensor, no autograd link) and keeps only a
-*weak* reference to it. The runtime's own tensors then never change hands, and the alias's Python
-object lives exactly as long as the backend holds the alias: once the backend let go, it is
-released, on whichever thread held the last reference (a backend thread that must take the GIL for
-it does so while the interpreter still runs). Memory is what it would be without aliases: an alias
-shares its storage, so a buffer freed with ``resize_(0)`` is freed as before, and a temporary is
-freed when the backend drops it. :func:`settle`, registered with ``atexit`` and so run before the
-interpreter finalizes, sleeps (releasing the GIL, boundedly) until every alias is gone: no backend
-thread is then left needing the GIL for one.
+A backend thread (gloo's) drops its reference to a finished collective's work after ``wait()``
+returned; if that drop destroys the last reference to a tensor, the thread must take the GIL, which
+kills the rank while the interpreter finalizes (docs/runtime.md, "A finished job exits 0"). So no
+tensor the runtime owns is handed to a backend: :func:`hand_off` gives it a ``detach()`` alias (same
+storage, so memory is freed as before) and keeps only a weak reference to the alias, which is
+released on whichever thread holds it last. :func:`settle`, registered with ``atexit``, sleeps
+(boundedly, releasing the GIL) until every alias is gone.
 
 Collectives outside the runtime (the user's own, ``all_gather_object``'s temporaries inside
 torch.distributed) are not covered; their temporaries are dropped long before a rank exits unless

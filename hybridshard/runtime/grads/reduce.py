@@ -1,13 +1,7 @@
 """The gradient path of one unit: reduce-scatter in the shard group, all-reduce across replicas.
 
-[Note: hybrid gradient path]
-A unit's backward leaves one unsharded gradient in the flat leaf. It is cast to the reduce dtype,
-reduce-scattered inside the shard group (each rank keeps the summed chunk of its shard), divided
-by the number of ranks that computed it (``shard_size * replicate_size``), and all-reduced across
-the replicate group, so every replica ends with the same averaged shard. A shard group of one rank
-keeps its chunk of the gradient without a collective but still all-reduces across replicas.
-``no_sync`` changes what a backward does (:class:`SyncMode`): keep the unsharded gradient locally,
-or reduce-scatter and hold the shard, so that the next syncing backward reduces everything once.
+The steps and ``no_sync``'s two forms (:class:`SyncMode`) are [Note: hybrid gradient path] in
+docs/runtime.md.
 
 This module decides *what* is reduced, in which group and when; how the collectives are issued is
 the executor's business: synchronously here, or asynchronously through the runtime's

@@ -28,23 +28,8 @@ def clip_grad_norm_(
     Returns the global norm before clipping, the same value ``torch.nn.utils.clip_grad_norm_``
     returns for the unsharded model, on every rank. One all-reduce of one number: over the shard
     group when every unit has the same groups (none at all for NO_SHARD), over the default group
-    when units differ. See [Note: counting each gradient element once].
-
-    [Note: counting each gradient element once]
-    After reduction each element of a unit's gradient lives in exactly one rank of each of the
-    unit's shard groups, and the ``replicate_size`` shard groups hold identical copies. When every
-    unit has the same groups, each rank sums its own shards and the shard group adds the sums up:
-    the shard group covers every element once, and the replicate group is left alone (adding a
-    replica's copy would count it twice; NO_SHARD is a shard group of one, so no collective). When
-    units differ (per-unit strategies), no single shard group covers every unit, so the sum runs over
-    the whole job and each unit's elements are counted on replica 0 of its replicate group only: the
-    shards on the ranks with ``replicate_rank == 0`` tile the unit exactly once. The others add
-    nothing for that unit (and skip its arithmetic); the copies are identical because they came
-    out of the same all-reduce. With the optimizer sharded across replicas each rank holds its
-    own slice of each hybrid unit's gradient (see :mod:`hybridshard.runtime.optim.replica_slices`): the
-    slices tile the unit over the whole job, so every rank counts them and the sum runs over the
-    whole job. Still one all-reduce of one number, with no division, so the
-    counting is exact. The max norm (``norm_type=inf``) uses the same ranks and a MAX reduction.
+    when units differ, or when the optimizer is sharded across replicas. See [Note: counting each
+    gradient element once] in docs/runtime.md.
     """
     engine = get_engine(model)
     max_norm, norm_type = float(max_norm), float(norm_type)

@@ -4,51 +4,11 @@
 sharded inside the shard group (``S`` ranks) as before, but the optimizer's state, and so its work,
 is sharded over the whole job (``S * R`` ranks).
 
-[Note: optimizer state sharded across replicas]
-Without the option every replica holds the same shard, all-reduces its gradient across the
-replicate group and steps it: ``R`` identical copies of the optimizer state and of its work. An
-all-reduce is a reduce-scatter followed by an all-gather, so with the option the gradient path
-stops halfway and the all-gather moves after the step:
-
-1. The flat buffer is padded so that each shard divides into ``R`` equal slices (``shard_multiple``
-   in :meth:`~hybridshard.runtime.units.layout.FlatLayout.build`); replica ``r`` owns slice ``r``,
-   ``[r * n, (r + 1) * n)`` of the shard, ``n = shard_numel / R``. That is the same part of the
-   shard a checkpoint already has replica ``r`` write (see [Note: replicas split the writing] in
-   :mod:`hybridshard.state.pieces`), so checkpoints keep their shape.
-2. Between steps each original parameter's ``.data`` is a view of its part of the *owned slice*
-   of the master shard (``FlatParam.owned``; possibly empty, possibly part of the parameter, as a
-   shard already is). An optimizer built on ``model.parameters()`` after ``shard`` therefore keeps
-   state for the slice only: ``1 / (S * R)`` of the model per rank.
-3. After the reduce-scatter in the shard group and the division by the world size, the gradient
-   shard is reduce-scattered across the replicate group (compressed, when ``replicate_compression``
-   is set) instead of all-reduced: each ``.grad`` is a view of the reduced *slice*.
-4. ``optimizer.step()`` updates the slices. An optimizer step post-hook (registered once for every
-   ``torch.optim.Optimizer``; it acts on optimizers that hold this model's parameters) then issues,
-   for every unit with a trainable parameter in that optimizer, one all-gather across the replicate
-   group of the updated slice into the shard, asynchronously and uncompressed (a compressed
-   parameter would drift from the optimizer's value). Each unit's next all-gather in its shard
-   group waits for it first, so the later units' inter-node gathers overlap the first units'
-   forward; the next step's first gradient reduction, the next ``optimizer.step()`` and every
-   state function wait for all of them.
-
-Mixed precision (``param_dtype`` other than the master dtype): the shard every replica keeps for
-gathering in the shard group is held in the compute dtype, and the master dtype's copy (fp32) exists
-only for the owned slice (``FlatParam.separate_master``). The step updates the fp32 slice; the
-all-gather across replicas sends it cast to the compute dtype, which is what the shard group gathers
-anyway. So master weights too are ``1 / (S * R)`` per rank, and the inter-node all-gather moves
-``b_param`` bytes per element instead of the all-reduce's ``b_reduce``. State functions read the
-fp32 masters: their slices gathered across replicas, then the shard group
-(``access.master_shard``).
-
-Contract: parameters change through ``optimizer.step()`` of a ``torch.optim.Optimizer`` built after
-``shard``. A change made any other way (``p.data.copy_(...)``, a hand-written update) reaches only
-this replica's slice: call :func:`gather_updated_params` after it. At an optimizer's first step
-its state is checked (one all-reduce of one number): state sized like whole parameters (steps
-taken before ``shard``) raises a ``ValueError`` on every rank. The inter-node bytes per step
-equal the all-reduce's: ``(R-1)/R * shard bytes`` for the reduce-scatter plus as much for the
-all-gather (in the compute dtype: fewer bytes under mixed precision; see docs/performance.md).
-The norm of ``clip_grad_norm_`` sums over the whole job, each element counted on the one rank whose
-slice holds it.
+How the slices, the reduce-scatter across replicas and the all-gather after ``optimizer.step()``
+fit together, and the contract, are [Note: optimizer state sharded across replicas] in
+docs/runtime.md. Replica ``r`` owns ``[r * n, (r + 1) * n)`` of the shard (``n = shard_numel / R``;
+``FlatParam.owned``), the part a checkpoint already has it write (see [Note: replicas split the
+writing] in :mod:`hybridshard.state.pieces`).
 """
 
 from __future__ import annotations

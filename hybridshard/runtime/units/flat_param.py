@@ -3,15 +3,9 @@
 Knows tensors and the :class:`~hybridshard.runtime.units.layout.FlatLayout`; knows nothing about hooks, states or
 process groups (the unit drives it, :mod:`hybridshard.runtime.comm.collectives` moves bytes).
 
-[Note: two kinds of views]
-Between steps each original ``nn.Parameter`` holds, as ``.data``, a flattened view of the part of
-it inside this rank's master shard (possibly empty), so an optimizer built on ``model.parameters()``
-steps the shard in place. While a unit computes, its modules see views of the *unsharded* buffer
-instead, made from the autograd leaf ``unsharded`` so that every use of every view sends its
-gradient into one flat gradient. The unsharded leaf object lives as long as the unit; only its
-storage is allocated and freed, so the views saved by autograd in forward read the re-gathered
-values in backward. Collectives write through ``unsharded.data``, whose version counter is not
-shared with the leaf, so refilling the storage does not trip autograd's saved-tensor check.
+See [Note: two kinds of views] in docs/runtime.md. Collectives write through ``unsharded.data``, whose
+version counter is not shared with the leaf, so refilling the storage does not trip autograd's
+saved-tensor check.
 
 [Note: who holds the gradient shard]
 A unit's reduced gradient is one flat tensor of this rank's shard size; each trainable parameter's

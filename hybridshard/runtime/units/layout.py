@@ -3,16 +3,7 @@
 A pure, immutable record computed from the parameter names and shapes and the shard-group size; it
 touches no tensor and no process group, so it can be tested (and printed) on its own.
 
-[Note: flat layout]
-The unit's distinct parameters are laid end to end in walk order. Each one starts at a multiple of
-``align_numel`` elements (alignment padding sits *before* a parameter, after the previous one), and
-the whole buffer is padded at the end to a multiple of ``shard_size``. Rank ``i`` of the shard group
-keeps the contiguous chunk ``[i * shard_numel, (i + 1) * shard_numel)``. A parameter may straddle two
-chunks, lie wholly inside one, or (small parameters, large groups) miss a rank's chunk entirely; the
-part of it inside this rank's chunk is its :class:`LocalSlice`, possibly empty. Padding elements are
-never exposed to users: no view covers them, and their gradient is always zero.
-Tied parameters (one ``nn.Parameter`` reached under several names) are stored once, under the first
-name met in the walk; the other names are recorded in ``aliases``.
+See [Note: flat layout] in docs/runtime.md for where each element lives.
 """
 
 from __future__ import annotations

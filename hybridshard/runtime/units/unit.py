@@ -1,72 +1,20 @@
-"""One communication unit: a module's flat parameter, its two states, its views, and the per-step
-transitions that the runtime's hooks (:mod:`hybridshard.runtime.engine`) drive. What happens to its
-gradient is :mod:`hybridshard.runtime.grads.reduce`; a parameter changed while it stays gathered is found
-by :mod:`hybridshard.runtime.units.changes`.
-
-[Note: unit states]
-``ShardedState`` says where the parameters are: ``SHARDED`` (only the master shard exists, modules
-hold the original parameters) or ``UNSHARDED`` (the flat buffer is gathered and the modules compute
-with views of it). ``TrainingState`` says what the unit is doing: ``IDLE``, ``FORWARD``,
-``PRE_BACKWARD`` (gathered for backward, waiting for its gradient) or ``POST_BACKWARD`` (gradient
-reduced this backward). Only the unit's own methods change them, and each asserts where it starts.
-
-Per step: pre-forward gathers (unless already gathered) and installs the views; post-forward of a
-ZeRO-3 unit frees the buffer and puts the parameters back; the gradient hook on the outputs gathers
-again before the unit's backward; the post-accumulate-grad hook on the flat leaf reduces the
-gradient and frees the buffer. ZeRO-2 units skip the free/gather pair and keep the *same views*
-installed from forward to the end of backward (no switch to sharded views and back), so between
-forward and backward a user sees unsharded parameters; changing one in that window raises.
-The root unit is never freed after forward: its backward starts right away.
-
-[Note: stale gathers]
-A unit that stays gathered after forward (the root, ZeRO-2 units) is normally freed by its backward.
-If the master shard changes while it is gathered (an optimizer step after a forward that had no
-backward, such as an evaluation forward outside ``no_grad``), the gathered values are stale. Every
-in-place change of the master bumps a version counter (see ``FlatParam.master_versions``), and the
-counters are recorded at each gather: a forward that reuses the gather gathers again when they
-moved, and a backward that would use it raises, naming the parameter, since its gradient would
-belong to values the parameter no longer has. The check runs only on those paths (a normal step
-starts sharded), and it is local: optimizer steps change the master on every rank alike.
-
-[Note: recomputation in backward]
-Activation checkpointing recomputes a unit's forward inside backward, in one of three forms, all
-supported: around the unit's call (``checkpoint(block, x)``, ``checkpoint_wrapper``, torchtitan),
-so the unit's forward hooks run again; inside the unit's ``forward`` (transformers'
-``gradient_checkpointing_enable``), so no hook of the unit runs; and reentrant
-(``use_reentrant=True``), whose recomputation runs a nested backward. In every form the gradient
-hook on the unit's outputs (or, reentrant around the unit, the forward pre-hook of the
-recomputation) gathers the buffer first and installs views of it, so the recomputed forward reads
-the gathered values; the views the original forward made stay the ones autograd sends gradients
-through (non-reentrant), or the recomputed views feed the nested backward (reentrant). Either way
-every gradient lands in the flat leaf and the post-accumulate-grad hook reduces it and frees the
-buffer again, once.
+"""One communication unit: a module's flat parameter, its states and views, and the per-step transitions
+that the engine's hooks (:mod:`hybridshard.runtime.engine`) drive. Its gradient is
+:mod:`hybridshard.runtime.grads.reduce`'s; parameters changed while gathered are found by
+:mod:`hybridshard.runtime.units.changes`. The states are the enums below; what each strategy does per
+step, activation checkpointing and stale gathers are [Note: unit states], [Note: recomputation in
+backward] and [Note: stale gathers] in docs/runtime.md.
 
 [Note: resharding frozen units early]
-A unit whose parameters are all frozen gets no gradient, so no post-accumulate-grad hook frees it:
-gathered for its backward, it would stay so until the end of backward, and every such unit would be
-gathered at once. So its forward pre-hook (:meth:`Unit.watch_inputs`, with grad enabled, in a
-recomputation too) registers one multi-grad hook on the floating inputs (args and kwargs) that
-require grad; it fires once autograd has computed all of their gradients, that is once backward has
-run every op of the unit between its outputs and those inputs, and the unit frees its buffer and
-goes back to ``IDLE`` (a later pass, through another forward's outputs, gathers it again). A frozen
-part split off a module (see [Note: frozen parts] in :mod:`hybridshard.runtime.units.wrap`) also waits for
-its trainable part's gradient, or, when no input requires grad (the first block after a frozen
-embedding), frees on that gradient alone: every op of the module that backward runs then leads to
-it, and autograd completes it only after all of them. A module that holds other units (the root)
-keeps its frozen part until the end of backward: the ops of those units lead to their own gradients,
-not to its. The forms of checkpointing: non-reentrant recomputation runs inside the pass the hooks
-watch; a reentrant one registers on the recomputed inputs, whose hook fires when the nested backward
-has passed them. A forward whose outputs need no gradient leaves nothing to keep gathered (the root
-and ZeRO-2 units included): the unit frees at once. Only the arguments are watched: an all-frozen
-unit must not compute with a tensor that requires grad and reaches it another way (a module
-attribute, a closure), since backward could still need the unit's parameters for that tensor's
-gradient after its inputs' gradients are done. An input that is the previous unit's output carries
-that unit's pre-backward hook, registered earlier: it is moved behind the input hook, so that this
-unit is freed before the previous one gathers and prefetches the next (or three units would be
-gathered at once with ``prefetch=1``). Hooks are dropped at the end of backward; units that expect a
-gradient register none (their post-accumulate-grad hook frees them).
+A unit that expects no gradient has no post-accumulate-grad hook to free it. :meth:`Unit.watch_inputs`
+registers one multi-grad hook on its floating inputs that require grad; it fires once backward ran
+every op of the unit, and the unit frees and goes back to ``IDLE``. A frozen part split off a module
+also waits for its trainable part's gradient (alone, when no input requires grad); a module that holds
+other units (the root) keeps its frozen part to the end of backward. An input that is the previous
+unit's output carries that unit's pre-backward hook: it is moved behind the input hook, so this unit
+frees before the previous one gathers (else three units are gathered at once with ``prefetch=1``).
+Docs: [Note: frozen parameters] in docs/runtime.md.
 """
-
 from __future__ import annotations
 
 import enum
@@ -101,17 +49,27 @@ _OUTPUT_HOOKS = WeakTensorKeyDictionary()
 
 
 class ShardedState(enum.Enum):
+    """Where a unit's parameters are; changed only by :meth:`Unit.unshard`, :meth:`Unit.prefetch`, :meth:`Unit.reshard`."""
+
     SHARDED = "sharded"
+    """Only the master shard exists; the modules hold the original parameters."""
     GATHERING = "gathering"
-    """A prefetch issued the all-gather; ``unshard`` waits for it (see :mod:`hybridshard.runtime.units.prefetch`)."""
+    """A prefetch issued the all-gather into the allocated buffer; ``unshard`` waits for it."""
     UNSHARDED = "unsharded"
+    """The buffer is gathered; the modules compute with views of it."""
 
 
 class TrainingState(enum.Enum):
+    """What a unit is doing in the step."""
+
     IDLE = "idle"
+    """Between passes (after forward, after backward, or freed early)."""
     FORWARD = "forward"
+    """Inside its forward (between the pre- and post-forward hooks)."""
     PRE_BACKWARD = "pre_backward"
+    """Gathered for backward, waiting for its gradient."""
     POST_BACKWARD = "post_backward"
+    """Its gradient was reduced (or handed to the executor) in this backward."""
 
 
 class Unit:
@@ -193,12 +151,19 @@ class Unit:
         """Whether a gradient can reach the flat leaf: some parameter requires grad."""
         return any(p.requires_grad for p in self.flat.params)
 
+    def _expect(self, transition: str, *, sharded: tuple[ShardedState, ...] = tuple(ShardedState),
+                training: tuple[TrainingState, ...] = tuple(TrainingState)) -> None:
+        """Assert the state a transition starts from (the code's own invariant, not a user error)."""
+        assert self.sharded_state in sharded and self.training_state in training, (
+            f"unit {self.name}: {transition} from {self.sharded_state.name}/{self.training_state.name}")
+
     # -- sharded state ---------------------------------------------------------------------------
 
     def unshard(self) -> None:
         self.prefetched = False
         if self.sharded_state is ShardedState.UNSHARDED:
             return
+        self._expect("unshard", sharded=(ShardedState.SHARDED, ShardedState.GATHERING))
         started = time.perf_counter()
         if self.sharded_state is ShardedState.GATHERING:
             pending, self._gathering = self._gathering, None
@@ -216,6 +181,7 @@ class Unit:
         """
         if self.sharded_state is not ShardedState.SHARDED or self.training_state is not TrainingState.IDLE:
             return False
+        self._expect("prefetch", sharded=(ShardedState.SHARDED,), training=(TrainingState.IDLE,))
         self.flat.alloc_storage()
         self._gathering = self._gather(async_op=True)
         self.sharded_state = ShardedState.GATHERING
@@ -256,13 +222,14 @@ class Unit:
             self.unshard()  # the all-gather writes into the buffer: let it finish before freeing
         if self.sharded_state is ShardedState.SHARDED:
             return
+        self._expect("reshard", sharded=(ShardedState.UNSHARDED,))
         self.prefetched = False
         self._install_params()
         self.flat.free_storage()
         self.sharded_state = ShardedState.SHARDED
 
     def _install_views(self, views: list[torch.Tensor] | None = None) -> None:
-        assert self.sharded_state is ShardedState.UNSHARDED
+        self._expect("installing views", sharded=(ShardedState.UNSHARDED,))
         if views is None:
             # Views must be differentiable even when made inside backward (grad mode is off there),
             # or a recomputation would save different tensors than the forward it replays.
@@ -286,14 +253,15 @@ class Unit:
         if self.engine.in_backward:
             # Activation-checkpoint recomputation inside backward: compute with fresh views of
             # the gathered buffer; leave the states to the backward hooks.
-            # See [Note: recomputation in backward].
+            # See [Note: recomputation in backward] in docs/runtime.md.
             self.unshard()
             self._install_views()
             return
+        self._expect("forward", training=(TrainingState.IDLE, TrainingState.FORWARD))
         if self.sharded_state is ShardedState.UNSHARDED and self.views is not None:
             # Already gathered with views installed (ZeRO-2 / root after an earlier forward of
             # this step): reuse them so every forward of the step feeds the same gradient.
-            # See [Note: stale gathers].
+            # See [Note: stale gathers] in docs/runtime.md.
             if self.flat.master_versions() != self.gathered_versions:
                 self._gather()
             self.training_state = TrainingState.FORWARD
@@ -306,6 +274,7 @@ class Unit:
     def post_forward(self, output: Any) -> Any:
         if self.engine.in_backward:
             return output
+        self._expect("end of forward", training=(TrainingState.FORWARD,))
         self.training_state = TrainingState.IDLE
         if not torch.is_grad_enabled():
             self.reshard()
@@ -370,20 +339,21 @@ class Unit:
         where.unit = self.index
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return
+        self._expect("pre-backward", training=(TrainingState.IDLE,))
         started = time.perf_counter()
         if self.sharded_state is ShardedState.UNSHARDED:
             check_unchanged(self)
         self.engine.prefetcher.before_unit(Pass.BACKWARD, self)
         self.unshard()
         if self.views is None:
-            # See [Note: recomputation in backward]: checkpointing inside the unit's forward reads
+            # See [Note: recomputation in backward] (docs/runtime.md): checkpointing inside the unit's forward reads
             # the module attributes again, with no forward hook of ours around it (the forward's views serve).
             self._install_views(self._forward_views)
         self.training_state = TrainingState.PRE_BACKWARD
         self.hook_seconds += time.perf_counter() - started
 
     def _post_backward(self, leaf: torch.Tensor) -> None:
-        assert self.training_state is not TrainingState.POST_BACKWARD, f"unit {self.name}: second post-backward"
+        self._expect("post-backward", training=(TrainingState.IDLE, TrainingState.PRE_BACKWARD))
         self.engine.on_backward_hook()
         where.unit = self.index
         started = time.perf_counter()
@@ -397,7 +367,7 @@ class Unit:
             self.frozen_part._trainable_part_done()
 
     def finish_backward(self) -> None:
-        """End of backward: reduce what no hook reduced, free the buffer, go back to IDLE."""
+        """End of backward, from any state: reduce what no hook reduced, free the buffer, go back to IDLE."""
         if self.training_state is not TrainingState.POST_BACKWARD and self.engine.sync_mode is SyncMode.SYNC:
             if self.reduction.holds_gradient:
                 self.reduction.reduce(None, SyncMode.SYNC)
@@ -408,7 +378,8 @@ class Unit:
         self._stop_watching()
 
     def abort_backward(self) -> None:
-        """After a backward that raised: drop its unreduced gradient, free the buffer, go back to IDLE."""
+        """After a backward that raised, from any state: drop its unreduced gradient, free the buffer, go
+        back to IDLE."""
         self.flat.unsharded.grad = None
         self._forward_views = None
         self.flat.drop_staged()
