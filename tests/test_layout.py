@@ -90,7 +90,7 @@ def test_mixed_precision_validates_dtypes():
         MixedPrecision(param_dtype=torch.int8)
 
 
-def test_plan_units_owns_tied_and_frozen_params():
+def test_choose_units_owns_tied_and_frozen_params():
     torch.manual_seed(0)
     model = TinyLM()
     specs = choose_units(model, {Block})
@@ -102,7 +102,7 @@ def test_plan_units_owns_tied_and_frozen_params():
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())
 
 
-def test_plan_units_errors():
+def test_choose_units_errors():
     model = TinyLM()
     with pytest.raises(ValueError, match="matched no submodule"):
         choose_units(model, {nn.Conv2d})
@@ -115,7 +115,7 @@ class SubBlock(Block):
     pass
 
 
-def test_plan_units_per_unit_strategies():
+def test_choose_units_per_unit_strategies():
     model = TinyLM(num_blocks=3)
     model.blocks[2] = SubBlock()
     specs = choose_units(model, {Block: "no_shard"})
@@ -138,7 +138,7 @@ def test_plan_units_per_unit_strategies():
         (lambda m: "ddp" if isinstance(m, Block) else False, r"wrap policy result for 'blocks.0' \(Block\).*got 'ddp'"),
     ],
 )
-def test_plan_units_rejects_bad_strategies(wrap, match):
+def test_choose_units_rejects_bad_strategies(wrap, match):
     with pytest.raises(ValueError, match=match):
         choose_units(TinyLM(), wrap)
 
