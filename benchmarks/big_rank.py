@@ -9,7 +9,7 @@ untied head; no rotary embedding), is built on meta and materialised one unit at
 bf16 with fp32 masters, checkpoints each layer's activations and steps AdamW. Three systems, one after
 the other: HYBRID_SHARD, HYBRID_SHARD with ``shard_optimizer_across_replicas``, and FSDP2's HSDP
 (``fully_shard`` over the same 2-D mesh). For each: the step time (median of the timed steps; CUDA
-events) and rank 0's peak memory against ``hybridshard.planning.sizing.memory`` (the planner leaves
+events) and rank 0's peak memory against ``hybridshard.estimates.sizing.memory`` (the planner leaves
 out activations: the layer inputs checkpointing keeps and the logits are in the measured peak).
 
     python benchmarks/big_rank.py                       # on a GPU: the Llama-3-8B shape
@@ -41,8 +41,8 @@ import torch.nn.functional as F
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after an installed hybridshard
 
 import hybridshard as hs  # noqa: E402
-from hybridshard.planning.sizing import ModelSpec, memory  # noqa: E402
-from hybridshard.runtime.strategy import ShardingStrategy  # noqa: E402
+from hybridshard.estimates.sizing import ModelSpec, memory  # noqa: E402
+from hybridshard.runtime.units.strategy import ShardingStrategy  # noqa: E402
 
 WORLD, SHARD = 64, 8
 
@@ -209,7 +209,7 @@ def build(name: str, s: Shape, mesh, device: torch.device) -> nn.Module:
 
 
 class _StoreCalls(logging.Handler):
-    """Counts the runtime's failed store calls (each logged at DEBUG by hybridshard.runtime.peers)."""
+    """Counts the runtime's failed store calls (each logged at DEBUG by hybridshard.runtime.faults.peers)."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -233,7 +233,7 @@ def main() -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hybridshard.runtime import peers
+    from hybridshard.runtime.faults import peers
 
     s = STAND_IN if args.stand_in else Shape()
     device = torch.device("cpu") if args.stand_in else torch.device("cuda", 0)

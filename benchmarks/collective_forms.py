@@ -10,7 +10,7 @@ input of one rank, as a unit's gradient would be), in groups of the whole world 
 - ``all_to_all``: ``all_to_all_single``, then a local sum of the received chunks.
 - ``ring``: a point-to-point ring (``isend``/``irecv`` of one chunk per step, S-1 steps).
 - ``all_reduce``: ``all_reduce`` of a copy, then a slice (the reference the native form resembles).
-- ``library``: :func:`hybridshard.runtime.collectives.reduce_scatter` as it now is.
+- ``library``: :func:`hybridshard.runtime.comm.collectives.reduce_scatter` as it now is.
 
 Each round runs every (group, size, form) once, in a rotated order so no form always goes first;
 one sample is the slowest rank's time for ``--inner``-scaled repetitions after a barrier. The table
@@ -84,7 +84,7 @@ def all_reduce(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGrou
 
 
 def library(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> None:
-    from hybridshard.runtime import collectives
+    from hybridshard.runtime.comm import collectives
 
     collectives.reduce_scatter(output, full, group)
 

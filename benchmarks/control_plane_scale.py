@@ -6,7 +6,7 @@ code, one thread per rank, one real TCPStore.
 Prints one JSON line per W (lines starting with ``{``; everything else is commentary) and, with
 ``--plot PATH`` and matplotlib installed, a log-log plot of each figure against W.
 
-What runs for real, per simulated rank: its own :class:`~hybridshard.runtime.rank_state.ControlPlane`
+What runs for real, per simulated rank: its own :class:`~hybridshard.runtime.faults.rank_state.ControlPlane`
 with its own TCPStore client (libuv server, one per W), its watchdog thread (heartbeats, the fault
 check of :mod:`hybridshard.runtime.faults`, the hang report) and the registry of collectives in
 flight. What is simulated: a collective is a registered entry, never a transfer (no model compute, no
@@ -47,8 +47,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hybridshard.runtime import peers, watchdog
-from hybridshard.runtime.rank_state import ControlPlane, bound
+from hybridshard.runtime.faults import peers, watchdog
+from hybridshard.runtime.faults.rank_state import ControlPlane, bound
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "nvml" / "dgx_h100_nvswitch.json"
 RANKS_PER_NODE = 8
@@ -156,7 +156,7 @@ class Job:
             self.planes.append(plane)
 
     def _on_stop(self, rank: int, plane: ControlPlane) -> Any:
-        def stop(status: int) -> None:  # what faults.stop_now does to a process: its report is its last word
+        def stop(status: int) -> None:  # what errors.stop_now does to a process: its report is its last word
             text = (plane.final or {}).get("text", "")
             self.stopped[rank] = (time.monotonic(), text)
             plane.stop.set()

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hybridshard as hs
-from hybridshard.runtime.engine import get_runtime
+from hybridshard.runtime.engine import get_engine
 
 
 def model_and_data(seed: int = 0, width: int = 32) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -52,7 +52,7 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 
 def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     h = hashlib.sha256()
-    for unit in get_runtime(model).units:
+    for unit in get_engine(model).units:
         h.update(unit.flat.sharded.detach().contiguous().view(torch.uint8).numpy().tobytes())
     for state in optimizer.state.values():
         for value in state.values():
@@ -67,7 +67,7 @@ class PlainReplicas:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: int) -> None:
         self.model, self.optimizer, self.batch = model, optimizer, batch
         self.current_step = 0
-        groups = get_runtime(model).root.groups
+        groups = get_engine(model).root.groups
         self.num_replicas, self.replica_rank = groups.replicate_size, groups.replicate_rank
 
     @property

@@ -4,9 +4,9 @@ Runs the steady-state steps (from the second one on) of ``tests/cuda_job.py``'s 
 and counts every host sync the runtime makes, by phase, two ways:
 
 - on CUDA, under ``torch.cuda.set_sync_debug_mode("warn")``: every synchronizing CUDA call warns, and
-  each warning is attributed to the phase the runtime was in (``hybridshard.runtime.position``) and to
+  each warning is attributed to the phase the runtime was in (``hybridshard.runtime.trace.position``) and to
   the Python frame that made it, hybridshard's own code (or a documented exempt caller, see
-  [Note: counting host syncs] in :mod:`hybridshard.runtime.host_syncs`) or elsewhere;
+  [Note: counting host syncs] in :mod:`hybridshard.runtime.trace.host_syncs`) or elsewhere;
 - on the emulated device (``executor="emulate"``, CPU, gloo), by its wrapped syncing calls.
 
 The two must agree. Not covered on the device: the debug mode sees the CUDA runtime's synchronizing
@@ -37,8 +37,8 @@ import torch.distributed as dist
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after an installed hybridshard
 
 import hybridshard as hs  # noqa: E402
-from hybridshard.runtime import host_syncs  # noqa: E402
-from hybridshard.runtime.position import current_where  # noqa: E402
+from hybridshard.runtime.trace import host_syncs  # noqa: E402
+from hybridshard.runtime.trace.position import current_where  # noqa: E402
 from tests import cuda_job  # noqa: E402
 from tests import runtime_models as RM  # noqa: E402
 

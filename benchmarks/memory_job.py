@@ -1,5 +1,5 @@
 """The memory job of the CUDA checks: a model whose state dominates the peak, its peak CUDA memory
-against ``hybridshard.planning.sizing.memory`` (``tests/cuda_job.py`` prints it per strategy,
+against ``hybridshard.estimates.sizing.memory`` (``tests/cuda_job.py`` prints it per strategy,
 ``benchmarks/memory_trace.py`` traces it by phase and unit).
 """
 
@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hybridshard as hs
-from hybridshard.planning.sizing import MemoryEstimate, ModelSpec, memory
-from hybridshard.runtime.strategy import ShardingStrategy
+from hybridshard.estimates.sizing import MemoryEstimate, ModelSpec, memory
+from hybridshard.runtime.units.strategy import ShardingStrategy
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 

@@ -3,7 +3,7 @@
     python benchmarks/step_check_cost.py [--world 4] [--iters 400] [--step-ms 285]
 
 Spawns ``--world`` gloo ranks and times, per rank, what a training step spends on the default step
-check (see [Note: step check] in hybridshard/runtime/agreement.py). A step runs two checks (the
+check (see [Note: step check] in hybridshard/runtime/comm/agreement.py). A step runs two checks (the
 forward's and the backward's); each is issued, then compared once the compute it overlaps is done:
 
 - ``issue``: building the fingerprint and starting its all-gather;
@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 def _rank(rank: int, world: int, store: str, iters: int, overlap: float, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from hybridshard.runtime import agreement
+    from hybridshard.runtime.comm import agreement
 
     def timed(fn) -> list[float]:
         samples = []

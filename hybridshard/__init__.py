@@ -12,10 +12,10 @@ from hybridshard.topology.groups import ShardGroups, init_groups
 # The surface: shard() and its handle class, options, and the checkpoint and debug namespaces
 from hybridshard.handle import HybridShardModule, shard
 from hybridshard.options import CheckConfig, CommConfig, Compression, Executor, InitConfig
-from hybridshard.runtime.deferred_init import materialize
-from hybridshard.runtime.grad_scaler import ShardedGradScaler
-from hybridshard.runtime.offload import CPUOffload
-from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
+from hybridshard.runtime.setup.deferred_init import materialize
+from hybridshard.runtime.optim.grad_scaler import ShardedGradScaler
+from hybridshard.runtime.units.offload import CPUOffload
+from hybridshard.runtime.units.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.state.shapes import param_groups
 from hybridshard import checkpoint, debug
 
@@ -24,21 +24,21 @@ from hybridshard.ft.mode import FaultTolerance
 
 # Aliases: every name exported before the surface above, the same objects (docs/api.md lists where each
 # lives now); importable, out of __all__.
-from hybridshard.runtime.counters import count_collectives
+from hybridshard.runtime.trace.counters import count_collectives
 from hybridshard.runtime.engine import no_sync
-from hybridshard.runtime.grad_norm import clip_grad_norm_
-from hybridshard.runtime.issue_order import record_issue_order
-from hybridshard.runtime.layout import FlatLayout
-from hybridshard.runtime.replica_slices import gather_updated_params
-from hybridshard.runtime.stats import comm_stats
-from hybridshard.runtime.unit import ShardedState, TrainingState
+from hybridshard.runtime.optim.grad_norm import clip_grad_norm_
+from hybridshard.runtime.trace.issue_order import record_issue_order
+from hybridshard.runtime.units.layout import FlatLayout
+from hybridshard.runtime.optim.replica_slices import gather_updated_params
+from hybridshard.runtime.engine import comm_stats
+from hybridshard.runtime.units.unit import ShardedState, TrainingState
 from hybridshard.state.checkpoint import SaveResult, latest_checkpoint, load_checkpoint, save_checkpoint
 from hybridshard.state.full import full_state_dict, load_full_state_dict
 from hybridshard.state.optim import full_optim_state_dict, load_full_optim_state_dict
 from hybridshard.state.pretrained_load import LoadResult, load_pretrained
 from hybridshard.state.pretrained_save import save_pretrained
-from hybridshard.state.shapes import param_shapes
 from hybridshard.state.replicas import ReplicaDivergence, check_replicas, maybe_check_replicas
+from hybridshard.state.shapes import param_groups, param_shapes
 from hybridshard.state.trust import UnsafeCheckpointError
 
 __version__ = "0.1.0"

@@ -9,10 +9,10 @@
 Those that were top-level names before (``hybridshard.record_issue_order`` ...) stay importable there.
 """
 
-from hybridshard.runtime.agreement import set_debug
-from hybridshard.runtime.counters import CollectiveCounts, count_collectives
-from hybridshard.runtime.issue_order import IssueLog, record_issue_order
-from hybridshard.runtime.stats import comm_stats
+from hybridshard.runtime.comm.agreement import set_debug
+from hybridshard.runtime.trace.counters import CollectiveCounts, count_collectives
+from hybridshard.runtime.trace.issue_order import IssueLog, record_issue_order
+from hybridshard.runtime.engine import comm_stats
 from hybridshard.state.replicas import ReplicaDivergence, check_replicas, maybe_check_replicas
 
 __all__ = ["CollectiveCounts", "IssueLog", "ReplicaDivergence", "check_replicas", "comm_stats", "count_collectives",

@@ -18,18 +18,19 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 import torch.nn as nn
 
-from hybridshard.runtime import api, engine
-from hybridshard.runtime.grad_norm import clip_grad_norm_
-from hybridshard.runtime.reduce import SyncMode
-from hybridshard.runtime.replica_slices import gather_updated_params
-from hybridshard.runtime.stats import comm_stats
+from hybridshard.runtime import engine
+from hybridshard.runtime.setup import api
+from hybridshard.runtime.optim.grad_norm import clip_grad_norm_
+from hybridshard.runtime.grads.reduce import SyncMode
+from hybridshard.runtime.optim.replica_slices import gather_updated_params
+from hybridshard.runtime.engine import comm_stats
 from hybridshard.state.full import full_state_dict, load_full_state_dict
 from hybridshard.state.optim import full_optim_state_dict, load_full_optim_state_dict
 from hybridshard.state.replicas import check_replicas
 from hybridshard.state.shapes import param_shapes
 
 if TYPE_CHECKING:
-    from hybridshard.runtime.engine import Runtime
+    from hybridshard.runtime.engine import Engine
 
 __all__ = ["HybridShardModule", "handle_class", "shard"]
 
@@ -42,9 +43,9 @@ class HybridShardModule:
     """
 
     @property
-    def hybridshard_runtime(self) -> Runtime:
+    def hybridshard_runtime(self) -> Engine:
         """The runtime :func:`hybridshard.shard` attached: its units, executor and counters."""
-        return engine.get_runtime(self)
+        return engine.get_engine(self)
 
     def no_sync(self, *, reduce_scatter: bool = False) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients over micro-batches; see :func:`hybridshard.no_sync`."""
@@ -58,7 +59,7 @@ class HybridShardModule:
                 f"set_requires_gradient_sync expects True or False, found {requires_gradient_sync!r} (reduce_scatter="
                 f"{reduce_scatter!r}); pass model.set_requires_gradient_sync(False) to hold gradients, True to reduce"
             )
-        runtime = engine.get_runtime(self)
+        runtime = engine.get_engine(self)
         if requires_gradient_sync:
             runtime.sync_mode = SyncMode.SYNC
         else:

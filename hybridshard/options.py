@@ -19,7 +19,7 @@ __all__ = ["CheckConfig", "CommConfig", "Compression", "Executor", "InitConfig",
 
 
 class Executor(str, enum.Enum):
-    """Who issues a model's collectives; see :mod:`hybridshard.runtime.executor`."""
+    """Who issues a model's collectives; see :mod:`hybridshard.runtime.comm.executors.select`."""
 
     AUTO = "auto"  # streams on CUDA, the communication thread on CPU
     THREADS = "threads"  # a communication thread (CPU tensors, gloo)
@@ -28,7 +28,7 @@ class Executor(str, enum.Enum):
 
 
 class Compression(str, enum.Enum):
-    """How hybrid units' gradients cross the replicate group; see :mod:`hybridshard.runtime.compression`."""
+    """How hybrid units' gradients cross the replicate group; see :mod:`hybridshard.runtime.grads.compression`."""
 
     NONE = "none"  # exact all-reduce in the reduce dtype
     BF16 = "bf16"  # half the inter-node bytes, with error feedback

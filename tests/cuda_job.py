@@ -7,7 +7,7 @@ compares the losses and every parameter with the single-process CPU reference of
 ``tests.runtime_models``. Every run must use the stream executor with real streams, issue each
 communicator's collectives from one thread per phase, and (two ranks) in the same order on every
 rank. Then, per strategy, a larger model's peak CUDA memory is printed next to
-``hybridshard.planning.sizing.memory``. Rank 0 writes a JSON summary to ``--out``; any mismatch
+``hybridshard.estimates.sizing.memory``. Rank 0 writes a JSON summary to ``--out``; any mismatch
 raises, so torchrun exits non-zero.
 
     torchrun --standalone --nproc-per-node 1 tests/cuda_job.py --backend nccl --out summary.json
@@ -30,7 +30,7 @@ import torch.nn as nn
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after an installed hybridshard
 
 import hybridshard as hs  # noqa: E402
-from hybridshard.runtime.issue_order import record_issue_order  # noqa: E402
+from hybridshard.runtime.trace.issue_order import record_issue_order  # noqa: E402
 from benchmarks.memory_job import STRATEGIES, memory_run  # noqa: E402
 from tests import runtime_models as RM  # noqa: E402
 
@@ -140,7 +140,7 @@ def main() -> None:
         if rank == 0:
             print(f"peak CUDA memory {strategy:>18} ({args.backend}, {dist.get_world_size()} rank(s)): "
                   f"{mem['measured_peak_bytes'] / 2**20:8.1f} MiB measured, {mem['planned_bytes'] / 2**20:8.1f} MiB "
-                  f"planned (hybridshard.planning.sizing.memory), ratio {mem['ratio']:.2f}", flush=True)
+                  f"planned (hybridshard.estimates.sizing.memory), ratio {mem['ratio']:.2f}", flush=True)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=1)

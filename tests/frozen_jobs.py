@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hybridshard as hs
-from hybridshard.runtime.unit import Unit
+from hybridshard.runtime.units.unit import Unit
 from tests import runtime_models as RM
 from tests.frozen_models import data, loss_of, make, optimizer
 from tests.live_bytes import LiveTensorBytes

@@ -20,9 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hybridshard as hs
-from hybridshard.runtime.flat_param import FlatParam
-from hybridshard.runtime.strategy import ShardingStrategy
-from hybridshard.runtime.unit import ShardedState
+from hybridshard.runtime.units.flat_param import FlatParam
+from hybridshard.runtime.units.strategy import ShardingStrategy
+from hybridshard.runtime.units.unit import ShardedState
 from tests import runtime_models as RM
 
 DIM, HIDDEN, BLOCKS, BATCH, SEQ = 128, 512, 4, 2, 4

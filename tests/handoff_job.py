@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybridshard.runtime import collectives as C  # noqa: E402
-from hybridshard.runtime import handoff  # noqa: E402
+from hybridshard.runtime.comm import collectives as C  # noqa: E402
+from hybridshard.runtime.comm import handoff  # noqa: E402
 
 
 def main() -> None:

@@ -150,7 +150,7 @@ def expected_counts(cfg: Config) -> dict[tuple[str, str], int]:
     Reductions happen once per unit on
     the syncing backward (and per micro-batch for the shard-group reduce-scatter with
     ``reduce_scatter_micro``). Hybrid units use the "shard"/"replicate" groups, the others "world"."""
-    from hybridshard.runtime.strategy import ShardingStrategy
+    from hybridshard.runtime.units.strategy import ShardingStrategy
 
     out: Counter = Counter()
     micro = cfg.micro_steps
@@ -314,7 +314,7 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
 
 def hs_syncs() -> Any:
     """The emulated device's host-sync counts (see [Note: counting host syncs])."""
-    from hybridshard.runtime import host_syncs
+    from hybridshard.runtime.trace import host_syncs
 
     return host_syncs.counts()
 

@@ -1,10 +1,13 @@
-"""The package layout keeps its promises (docs/architecture.md): small modules, one concept each,
-re-exports only at the top, no private names imported across packages, and one groups type whose
-``None`` means "no group" everywhere."""
+"""The package layout keeps its promises (docs/architecture.md): packages and the runtime's layers
+import only downwards (a back-reference upwards only under ``TYPE_CHECKING``), function-level imports
+of the package only where listed below with their reason, small modules, re-exports only at the
+top, no private names imported across packages, and one groups type whose ``None`` means "no group"
+everywhere."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import pathlib
 
@@ -32,9 +35,211 @@ def _modules() -> dict[str, pathlib.Path]:
 
 
 def _package_of(module: str) -> str:
-    """``hybridshard.runtime.unit`` -> ``hybridshard.runtime``; top-level modules -> ``hybridshard``."""
+    """``hybridshard.runtime.units.unit`` -> ``hybridshard.runtime``; top-level modules -> ``hybridshard``."""
     parts = module.split(".")
     return ".".join(parts[:2]) if len(parts) > 2 or module.endswith("__init__") else parts[0]
+
+
+# Packages, lowest first; a module imports from its own package and the groups below its own.
+PACKAGE_LAYERS = [
+    {"hybridshard.topology", "hybridshard.comm_bytes", "hybridshard.options"},  # leaves: nothing of hybridshard
+    {"hybridshard.runtime", "hybridshard.diagnostics", "hybridshard.launcher"},
+    {"hybridshard.state", "hybridshard.estimates"},
+    {"hybridshard.ft"},
+    {"hybridshard.handle", "hybridshard.checkpoint", "hybridshard.debug"},  # shard's handle class, the namespaces
+    {"hybridshard"},  # the top-level re-exports (hybridshard/__init__.py)
+    {"hybridshard.integrations", "hybridshard.bench"},
+    {"hybridshard.cli"},
+    {"hybridshard.__main__"},
+]
+
+# The runtime's layers, lowest first (hybridshard/runtime/__init__.py); a module imports from its own
+# layer and those below.
+RUNTIME_LAYERS = [
+    "hybridshard.runtime.trace",
+    "hybridshard.runtime.faults",
+    "hybridshard.runtime.comm",
+    "hybridshard.runtime.comm.executors",
+    "hybridshard.runtime.grads",
+    "hybridshard.runtime.units",
+    "hybridshard.runtime.engine",
+    "hybridshard.runtime.optim",
+    "hybridshard.runtime.setup",
+]
+
+# Imports of the package inside a function, each with its reason; any other is a module-level import.
+_CLI = "start-up time of the CLI: `hybridshard <command>` (and --help) imports only what that command runs"
+_PROBE = "optional dependency: probing imports psutil and NVML, needed only when discovering a node"
+FUNCTION_IMPORTS = {
+    ("hybridshard.cli.bench", "hybridshard.bench.job"): _CLI,
+    ("hybridshard.cli.bench", "hybridshard.bench.report"): _CLI,
+    ("hybridshard.cli.bench", "hybridshard.bench.worker"): _CLI,
+    ("hybridshard.cli.ckpt", "hybridshard.state.checkpoint"): _CLI + " (torch and DCP for `ckpt` only)",
+    ("hybridshard.cli.ckpt", "hybridshard.state.reader"): _CLI + " (torch and DCP for `ckpt` only)",
+    ("hybridshard.cli.launch", "hybridshard.topology.smi"): _CLI,
+    ("hybridshard.cli.launch", "hybridshard.topology.probe"): _PROBE,
+    ("hybridshard.cli.launch", "hybridshard.launcher.placement"): _CLI,
+    ("hybridshard.cli.plan", "hybridshard.topology.smi"): _CLI,
+    ("hybridshard.cli.topo", "hybridshard.topology.smi"): _CLI,
+    ("hybridshard.cli.topo", "hybridshard.diagnostics.bandwidth"): _CLI + " (torch for --measure only)",
+    ("hybridshard.cli.topo", "hybridshard.topology.groups"): _CLI + " (torch.distributed for --cluster only)",
+    ("hybridshard.cli.topo", "hybridshard.topology.report"): _CLI,
+    ("hybridshard.cli.topo", "hybridshard.topology.findings"): _CLI,
+    ("hybridshard.cli.topo", "hybridshard.topology.cluster"): _CLI,
+    ("hybridshard.cli.topo", "hybridshard.topology.planner"): _CLI,
+    ("hybridshard.cli.topo", "hybridshard.topology.probe"): _PROBE,
+    ("hybridshard.bench.config", "hybridshard"): _CLI + " (`hybridshard bench` reads its config without the runtime)",
+    ("hybridshard.bench.config", "hybridshard.options"): _CLI + " (`hybridshard bench` reads its config without the runtime)",
+    ("hybridshard.topology.cluster", "hybridshard.topology.summary"): "summary assembles the view with cluster's "
+    "assemble_cluster: a module-level import each way would be a cycle",
+    ("hybridshard.diagnostics.bandwidth", "hybridshard.topology.probe"): _PROBE,
+    ("hybridshard.topology.cluster", "hybridshard.topology.probe"): _PROBE,
+    ("hybridshard.topology.groups", "hybridshard.topology.probe"): _PROBE,
+    ("hybridshard.topology.synthetic", "hybridshard.topology.smi"): "smi imports probe (psutil, NVML); " + _PROBE,
+    ("hybridshard.topology.nvml", "hybridshard.topology.nvml_recorded"): "nvml_recorded imports nvml: resolved on first use",
+    ("hybridshard.topology.nvml", "hybridshard.topology.nvml"): "run as a script (`main`), it imports itself as a module",
+    ("hybridshard.launcher.local_cluster", "hybridshard"): "only the package's folder, for the child processes' path",
+}
+
+
+def _imports(module: str, path: pathlib.Path) -> list[tuple[str, ast.stmt, str]]:
+    """``(imported module, node, where)`` for every import of the package in ``module``; ``where`` is
+    ``"module"``, ``"type_checking"`` (under ``if TYPE_CHECKING:``) or ``"function"``. Relative imports
+    are resolved; ``from pkg import name`` names ``pkg.name`` when that is a module."""
+    modules = _modules_by_name()
+    is_package = path.name == "__init__.py"
+    out: list[tuple[str, ast.stmt, str]] = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, "function")
+                continue
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for sub in child.body:
+                    visit_one(sub, "type_checking" if where == "module" else where)
+                for sub in child.orelse:
+                    visit_one(sub, where)
+                continue
+            visit_one(child, where)
+
+    def visit_one(child: ast.AST, where: str) -> None:
+        if isinstance(child, ast.Import):
+            out.extend((a.name, child, where) for a in child.names if _ours(a.name))
+        elif isinstance(child, ast.ImportFrom):
+            base = child.module or ""
+            if child.level:
+                parts = module.split(".")
+                keep = len(parts) - child.level + (1 if is_package else 0)
+                base = ".".join(parts[:keep] + ([base] if base else []))
+            if not _ours(base):
+                return
+            for alias in child.names:
+                sub = f"{base}.{alias.name}"
+                out.append((sub if sub in modules else base, child, where))
+        else:
+            visit(child, where)
+
+    visit(ast.parse(path.read_text()), "module")
+    return out
+
+
+def _ours(name: str) -> bool:
+    return name == "hybridshard" or name.startswith("hybridshard.")
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+@functools.cache
+def _modules_by_name() -> frozenset[str]:
+    names = set()
+    for name in _modules():
+        names.add(name.removesuffix(".__init__"))
+    return frozenset(names)
+
+
+def _rank(name: str, layers: list) -> int | None:
+    """Index of the (longest) layer holding ``name``, else None."""
+    best, best_len = None, -1
+    for i, layer in enumerate(layers):
+        for prefix in (layer if isinstance(layer, set) else {layer}):
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = i, len(prefix)
+    return best
+
+
+def _package(name: str) -> str:
+    """The package a module belongs to for PACKAGE_LAYERS (``hybridshard.__init__`` -> ``hybridshard``)."""
+    name = name.removesuffix(".__init__")
+    if name in ("hybridshard", "hybridshard.__main__"):
+        return name
+    if name.startswith("hybridshard.topology"):
+        return "hybridshard.topology"
+    return ".".join(name.split(".")[:2])
+
+
+def _layer_violations() -> list[str]:
+    found = []
+    for name, path in sorted(_modules().items()):
+        me = name.removesuffix(".__init__")
+        for target, node, where in _imports(me, path):
+            if where == "type_checking":
+                continue  # a back-reference for annotations only
+            mine, theirs = _package(me), _package(target)
+            if mine != theirs:
+                a, b = _rank(mine, PACKAGE_LAYERS), _rank(theirs, PACKAGE_LAYERS)
+                assert a is not None and b is not None, f"{mine} or {theirs} missing from PACKAGE_LAYERS"
+                if b >= a and (me, target) not in FUNCTION_IMPORTS:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {me} ({mine}) imports {target} ({theirs}), "
+                                 "not from a package below it")
+            elif mine == "hybridshard.runtime" and me != "hybridshard.runtime":
+                a, b = _rank(me, RUNTIME_LAYERS), _rank(target, RUNTIME_LAYERS)
+                assert a is not None, f"{me} is in no layer of RUNTIME_LAYERS"
+                if b is None or b > a:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {me} ({RUNTIME_LAYERS[a]}) imports {target}, "
+                                 "from a higher runtime layer; move the code down or import it under TYPE_CHECKING")
+    return found
+
+
+def test_imports_go_down_only():
+    found = _layer_violations()
+    assert not found, "\n".join(found)
+
+
+def test_function_level_imports_are_listed():
+    found = []
+    for name, path in sorted(_modules().items()):
+        me = name.removesuffix(".__init__")
+        for target, node, where in _imports(me, path):
+            if where == "function" and (me, target) not in FUNCTION_IMPORTS:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {me} imports {target} inside a function")
+    assert not found, "import at module level, or add the pair to FUNCTION_IMPORTS with its reason:\n" + "\n".join(found)
+    present = {(n.removesuffix(".__init__"), t) for n, p in _modules().items()
+               for t, _, w in _imports(n.removesuffix(".__init__"), p) if w == "function"}
+    stale = set(FUNCTION_IMPORTS) - present
+    assert not stale, f"FUNCTION_IMPORTS lists imports that no longer exist: {sorted(stale)}"
+
+
+def test_every_runtime_module_is_in_a_layer_and_every_layer_exists():
+    names = _modules_by_name()
+    for layer in RUNTIME_LAYERS:
+        assert layer in names, f"{layer} is a layer but no module"
+    loose = [n for n in names if n.startswith("hybridshard.runtime.") and _rank(n, RUNTIME_LAYERS) is None]
+    assert not loose, f"runtime modules in no layer: {loose}"
+
+
+def test_executors_meet_the_protocol():
+    from hybridshard.runtime.comm.executors.base import Executor
+    from hybridshard.runtime.comm.executors.select import ExecutorKind, make_executor
+
+    for kind in ExecutorKind:
+        executor = make_executor(kind, torch.device("cpu"))
+        assert isinstance(executor, Executor), kind
+        for method in ("gather", "submit", "drain", "end_step", "abort"):
+            assert callable(getattr(executor, method)), (kind, method)
 
 
 def test_modules_are_small():
@@ -93,7 +298,7 @@ def one_rank_job(tmp_path):
 def test_none_means_no_group(one_rank_job):
     import torch.distributed as dist
 
-    from hybridshard.runtime import collectives as C
+    from hybridshard.runtime.comm import collectives as C
     from hybridshard.topology.groups import ShardGroups, group_name
 
     nothing = ShardGroups(shard=None, replicate=None)

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import hybridshard as hs
+from hybridshard.runtime.engine import get_engine
 from hybridshard.state import checkpoint as CK
-from hybridshard.runtime.engine import get_runtime
 from tests import runtime_models as RM
 from tests.live_bytes import LiveTensorBytes
 from tests.mp import RankPool
@@ -184,7 +184,7 @@ def test_replicas_split_the_writing(pool, tmp_path, capsys):
 def full_state_memory(strategy: str) -> dict:
     """Bytes ``full_state_dict(rank0_only=True, to_cpu=True)`` allocates and holds on this rank."""
     model, _ = _sharded(strategy, seed=0)
-    units = get_runtime(model).units
+    units = get_engine(model).units
     with LiveTensorBytes() as live:
         state = hs.full_state_dict(model, rank0_only=True, to_cpu=True)
     outputs = live.storages_of(state.values())
@@ -311,7 +311,7 @@ def test_mismatched_model_fails_naming_parameters_and_changes_nothing(pool, tmp_
 def test_flat_ranges_as_boxes_and_incomplete_checkpoints(tmp_path):
     """Every flat range of a tensor is tiled, in order, by at most 2*ndim-1 contiguous boxes; a
     checkpoint that lacks part of a tensor fails to load, naming the entry."""
-    from hybridshard.state.planner import Piece, PieceLoadPlanner, PieceSavePlanner, flat_range_boxes
+    from hybridshard.state.pieces import Piece, PieceLoadPlanner, PieceSavePlanner, flat_range_boxes
 
     for shape in [(5,), (3, 4), (2, 3, 4), (4, 1, 3)]:
         full = torch.arange(torch.Size(shape).numel()).view(shape)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridshard.runtime import collectives as C
-from hybridshard.runtime import counters
+from hybridshard.runtime.comm import collectives as C
+from hybridshard.runtime.trace import counters
 from hybridshard.topology import groups as G
 from tests.mp import RankPool
 
@@ -96,7 +96,7 @@ def compare_with_native() -> dict:
 
 def count_one_call() -> dict:
     """Counters of one sync and one async reduce-scatter in each group, and the debug check."""
-    from hybridshard.runtime import agreement
+    from hybridshard.runtime.comm import agreement
 
     out = {}
     for gname, group in _groups().items():

@@ -8,9 +8,9 @@ import torch
 
 from hybridshard.comm_bytes import ring_bytes, ring_factor
 from hybridshard.diagnostics.bandwidth import bus_bandwidth
-from hybridshard.planning.sizing import ModelSpec, step_collectives
-from hybridshard.runtime.counters import CollectiveCounts
-from hybridshard.runtime.strategy import ShardingStrategy
+from hybridshard.estimates.sizing import ModelSpec, step_collectives
+from hybridshard.runtime.trace.counters import CollectiveCounts
+from hybridshard.runtime.units.strategy import ShardingStrategy
 
 FULL = 1024  # bytes of the full buffer: gathered, unreduced, or held by every rank
 

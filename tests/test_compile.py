@@ -94,7 +94,7 @@ def test_compile_matrix(pool, case):
 
 
 def test_compile_option_errors():
-    from hybridshard.runtime.compile import parse_compile
+    from hybridshard.runtime.setup.compile import parse_compile
 
     assert parse_compile(False) is None and parse_compile(None) is None
     assert parse_compile(True) == {}

@@ -21,10 +21,10 @@ import threading
 import pytest
 import torch
 
-from hybridshard.runtime import collectives as C
-from hybridshard.runtime import counters
+from hybridshard.runtime.comm import collectives as C
+from hybridshard.runtime.grads.compression import MODES, ReplicateCompressor, parse_compression
+from hybridshard.runtime.trace import counters
 from hybridshard.topology import groups as G
-from hybridshard.runtime.compression import MODES, ReplicateCompressor, parse_compression
 from tests.mp import RankPool
 
 pytestmark = pytest.mark.multiprocess

@@ -1,4 +1,4 @@
-"""The emulated device (hybridshard/runtime/emulate.py): its rules on their own, in one process, and
+"""The emulated device (hybridshard/runtime/comm/executors/emulate.py): its rules on their own, in one process, and
 the defects it exists to catch, on gloo ranks.
 
 The multi-process checks use 4 ranks on 2 simulated nodes (shard groups of 2) and 2 ranks on 2 nodes
@@ -20,15 +20,15 @@ from tests.mp import RankPool
 def no_wrappers_after():
     """The in-process tests install the sync counters' wrappers; later test modules run without them."""
     yield
-    from hybridshard.runtime import host_syncs
+    from hybridshard.runtime.trace import host_syncs
 
     host_syncs.uninstall()
 
 
 @pytest.fixture
 def device():
-    from hybridshard.runtime.emulate import EmulatedStreams
-    from hybridshard.runtime.position import where
+    from hybridshard.runtime.comm.executors.emulate import EmulatedStreams
+    from hybridshard.runtime.trace.position import where
 
     streams = EmulatedStreams(torch.device("cpu"))
     streams.unit_names = ["<root>", "blocks.0"]
@@ -53,7 +53,7 @@ def test_side_stream_work_runs_only_when_waited_for(device):
 
 
 def test_a_dropped_buffer_is_caught_naming_unit_buffer_and_stream(device):
-    from hybridshard.runtime import emulate
+    from hybridshard.runtime.comm.executors import emulate
 
     buf = torch.ones(64)
     emulate.label(buf, "blocks.0: gradient shard")
@@ -69,7 +69,7 @@ def test_a_dropped_buffer_is_caught_naming_unit_buffer_and_stream(device):
 
 
 def test_a_view_keeps_its_buffer_and_a_freed_storage_is_caught(device):
-    from hybridshard.runtime.emulate import DeviceFault
+    from hybridshard.runtime.comm.executors.emulate import DeviceFault
 
     base = torch.ones(8)
     view = base[2:6]
@@ -167,8 +167,8 @@ def test_optimizer_sliced_across_replicas_keeps_what_the_replicate_stream_reads(
 # -- host syncs -------------------------------------------------------------------------------------
 
 def test_host_syncs_are_counted_per_step_phase_and_site_from_the_runtimes_code_only():
-    from hybridshard.runtime import host_syncs
-    from hybridshard.runtime.position import where
+    from hybridshard.runtime.trace import host_syncs
+    from hybridshard.runtime.trace.position import where
 
     counts = host_syncs.install()
     counts.reset()
@@ -176,7 +176,7 @@ def test_host_syncs_are_counted_per_step_phase_and_site_from_the_runtimes_code_o
                    "fake", "exec")
     scope = {"__name__": "hybridshard.runtime.fake", "torch": torch}
     exec(code, scope)
-    exempt = {"__name__": "hybridshard.runtime.grad_norm"}
+    exempt = {"__name__": "hybridshard.runtime.optim.grad_norm"}
     exec(compile("def clip(t):\n    return t.item()\n", "fake", "exec"), exempt)
     step, phase = where.step, where.phase
     where.phase = "backward"
@@ -319,7 +319,7 @@ def managed_all_reduce_order() -> dict:
     import torch.distributed as dist
 
     from hybridshard.ft.replicate import _ManagedPending
-    from hybridshard.runtime.emulate import EmulatedStreams
+    from hybridshard.runtime.comm.executors.emulate import EmulatedStreams
 
     events = []
 

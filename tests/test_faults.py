@@ -160,7 +160,7 @@ def test_hung_rank_stops_the_others_long_before_the_timeout():
 def test_unreachable_store_is_said_instead_of_naming_every_rank(monkeypatch):
     # Under a restartable launch the store lives in rank 0's process (see [Note: restarts] in
     # hybridshard/launcher/settings.py); when rank 0 dies, its peers cannot read each other's reports.
-    from hybridshard.runtime import faults, peers
+    from hybridshard.runtime.faults import errors, peers
 
     class GoneStore:
         def add(self, key, n):
@@ -169,10 +169,10 @@ def test_unreachable_store_is_said_instead_of_naming_every_rank(monkeypatch):
         check = set = get = add
 
     monkeypatch.setattr(peers, "store", GoneStore)
-    monkeypatch.setattr(faults.dist, "get_world_size", lambda group=None: 4)
-    monkeypatch.setattr(faults.dist, "get_rank", lambda group=None: 2)
+    monkeypatch.setattr(errors.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(errors.dist, "get_rank", lambda group=None: 2)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
-    message = str(faults.collective_failed("all_reduce", "replicate", None, RuntimeError("closed by peer")))
+    message = str(errors.collective_failed("all_reduce", "replicate", None, RuntimeError("closed by peer")))
     first = message.splitlines()[0]
     assert first.startswith("rank 2: all_reduce on the replicate group"), message
     assert "could not be reached" in first and "rank 0 is probably the lost one" in first, message

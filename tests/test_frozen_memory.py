@@ -22,10 +22,10 @@ import pytest
 import torch
 
 import hybridshard as hs
-from hybridshard.runtime.counters import ring_bytes
-from hybridshard.runtime.strategy import ShardingStrategy
-from hybridshard.runtime.unit import Unit
-from hybridshard.runtime.wrap import plan_units, split_frozen
+from hybridshard.runtime.trace.counters import ring_bytes
+from hybridshard.runtime.units.strategy import ShardingStrategy
+from hybridshard.runtime.units.unit import Unit
+from hybridshard.runtime.units.wrap import choose_units, split_frozen
 from tests import frozen_jobs as FJ
 from tests import frozen_models as FM
 from tests import runtime_models as RM
@@ -177,7 +177,7 @@ def lora_measured(pool):
 
 
 def lora_formula(row: dict, activations: int, prefetch: int = 1) -> float:
-    """The terms of ``hybridshard.planning.sizing.memory`` (fp32, no overlap), with the gradient terms
+    """The terms of ``hybridshard.estimates.sizing.memory`` (fp32, no overlap), with the gradient terms
     taken over the units that build a gradient, whose largest is ``G`` padded elements: what exists
     before the step (master shards; AdamW state, measured: it exists for trainable parameters only,
     the planner counts every parameter); the gathered root and ``prefetch + 1`` whole blocks (both
@@ -361,7 +361,7 @@ def test_conversions_after_shard(pool):
 def test_split_frozen_plans_two_units_per_mixed_module():
     """Which units are split, names, parameters, bindings and tied names; the threshold; ``None``."""
     model, block = FM.make("lora")
-    specs = split_frozen(plan_units(model, {block}), 0.5)
+    specs = split_frozen(choose_units(model, {block}), 0.5)
     assert [s.name for s in specs] == ["", "<root>[frozen]"] + [
         n for i in range(FM.BLOCKS) for n in (f"blocks.{i}", f"blocks.{i}[frozen]")]
     assert specs[1].param_names == ("inp.weight", "inp.bias", "out_norm.weight", "out_norm.bias")
@@ -371,14 +371,14 @@ def test_split_frozen_plans_two_units_per_mixed_module():
     assert all(not p.requires_grad for p in frozen.params) and all(p.requires_grad for p in specs[2].params)
     assert frozen.bindings[0] == ((model.blocks[0].norm, "weight"),)
     assert sorted(n for s in specs for n in s.param_names) == sorted(n for n, _ in model.named_parameters())
-    unsplit = [s.name for s in plan_units(model, {block})]
-    assert [s.name for s in split_frozen(plan_units(model, {block}), None)] == unsplit
+    unsplit = [s.name for s in choose_units(model, {block})]
+    assert [s.name for s in split_frozen(choose_units(model, {block}), None)] == unsplit
     # A gate of 16 frozen elements among ~1100 stays in its block unless every mixed unit is split;
     # a frozen tied embedding takes its alias along.
     tiny = RM.make_model()
-    assert [s.name for s in split_frozen(plan_units(tiny, {RM.Block}), 0.5)] == ["", "blocks.0", "blocks.1"]
+    assert [s.name for s in split_frozen(choose_units(tiny, {RM.Block}), 0.5)] == ["", "blocks.0", "blocks.1"]
     tiny.embed.weight.requires_grad_(False)
-    specs = split_frozen(plan_units(tiny, {RM.Block}), 0.0)
+    specs = split_frozen(choose_units(tiny, {RM.Block}), 0.0)
     assert [s.name for s in specs] == ["", "<root>[frozen]", "blocks.0", "blocks.0[frozen]", "blocks.1",
                                        "blocks.1[frozen]"]
     assert specs[1].param_names == ("embed.weight",) and specs[1].aliases == (("head.weight", "embed.weight"),)

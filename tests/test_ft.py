@@ -468,7 +468,7 @@ def test_fault_tolerance_argument_errors(one_rank_model, monkeypatch, tmp_path):
     import torch
 
     import hybridshard as hs
-    from hybridshard.ft.state import load_shard_state, shard_state
+    from hybridshard.ft.healing import load_shard_state, shard_state
 
     model, opt = one_rank_model
     with pytest.raises(ValueError, match="at least 1"):
@@ -516,8 +516,8 @@ def test_fault_tolerance_argument_errors(one_rank_model, monkeypatch, tmp_path):
 
 
 def test_planner_notes_fault_tolerance_for_hybrid_with_replicas():
-    from hybridshard.planning.sizing import ClusterSpec, ModelSpec, estimate
-    from hybridshard.runtime.strategy import ShardingStrategy as S
+    from hybridshard.estimates.sizing import ClusterSpec, ModelSpec, estimate
+    from hybridshard.runtime.units.strategy import ShardingStrategy as S
 
     model = ModelSpec(num_params=2000, unit_params=1000)
     two_nodes = ClusterSpec(node_sizes=(4, 4), gpu_memory_bytes=10**6)

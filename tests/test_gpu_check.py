@@ -104,7 +104,7 @@ def test_device_sync_warnings_are_attributed_as_the_emulator_counts():
 
     import host_sync_check as H
 
-    from hybridshard.runtime.position import where
+    from hybridshard.runtime.trace.position import where
 
     def from_file(path: str) -> None:
         code = compile("def sync(w):\n    w.warn('called a synchronizing CUDA operation')\n", path, "exec")

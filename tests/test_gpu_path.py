@@ -1,7 +1,7 @@
 """The GPU path's rules, checked on CPU: the stream executor's issue order, fp16 gradients and the
 sharded grad scaler.
 
-The stream executor (see [Note: stream executor] in hybridshard/runtime/streams.py) runs here with
+The stream executor (see [Note: stream executor] in hybridshard/runtime/comm/executors/streams.py) runs here with
 its streams as no-ops. Across a matrix of strategies, prefetch depths, overlap, compression,
 activation checkpointing, no_sync and mixed precision, every rank must issue the collectives of
 each communicator from one thread per phase, in the same order on every rank, and the whole
@@ -45,7 +45,7 @@ MATRIX = [
     replace(_S, shard_optimizer=True, compression="int8", prefetch=2),
 ]
 EXECUTORS = ("threads", "streams", "emulate")
-"""``emulate``: the stream executor on the emulated device (hybridshard/runtime/emulate.py), which must
+"""``emulate``: the stream executor on the emulated device (hybridshard/runtime/comm/executors/emulate.py), which must
 give the streams executor's results bit for bit, with no host sync from the second step on."""
 
 
@@ -64,7 +64,7 @@ def _label(c: RM.Config) -> str:
 def run_recorded(configs: list[RM.Config]) -> list[dict]:
     """Each config under the issue-order recorder; results, the order and the issuing threads."""
     from hybridshard import record_issue_order
-    from hybridshard.runtime import offload
+    from hybridshard.runtime.units import offload
 
     taken = []
     take = offload.Staged.take
@@ -151,7 +151,7 @@ def watch_stream_jobs(num_blocks: int = 4) -> dict:
     """Stream executor, HYBRID_SHARD: at each post-backward hook, how many earlier jobs still hold their
     unsharded gradient, and the jobs' states after the backward."""
     import hybridshard as hs
-    from hybridshard.runtime.overlap import JobState
+    from hybridshard.runtime.comm.executors.base import JobState
 
     model = RM.make_model(num_blocks=num_blocks)
     hs.shard(model, strategy="HYBRID_SHARD", groups=RM.groups(), wrap={RM.Block}, executor="streams")
@@ -193,7 +193,7 @@ def test_thread_executor_reduces_on_its_thread(sweep):
 # -- fp16: the division split around the sum, and a scaler every rank obeys -------------------------
 
 def test_divide_factors_split_the_world_size():
-    from hybridshard.runtime.reduce import divide_factors
+    from hybridshard.runtime.grads.reduce import divide_factors
 
     for world in range(1, 65):
         assert divide_factors(world, torch.float32) == (1, world)
@@ -206,7 +206,7 @@ def test_divide_factors_split_the_world_size():
 def test_divide_is_the_division_bit_for_bit():
     """The gradient scaling multiplies by a power of two's reciprocal instead of dividing: the same bits,
     for every dtype the gradients take, subnormals, extremes and specials included."""
-    from hybridshard.runtime.reduce import divide_
+    from hybridshard.runtime.grads.reduce import divide_
 
     g = torch.Generator().manual_seed(0)
     values = torch.cat([torch.randn(4096, generator=g) * torch.logspace(-44, 38, 4096),
@@ -310,7 +310,7 @@ def test_sharded_scaler_skips_on_every_rank_together(pool):
 # -- choices and their errors ------------------------------------------------------------------------
 
 def test_executor_choice(monkeypatch):
-    from hybridshard.runtime.executor import ENV, ExecutorKind, resolve_executor
+    from hybridshard.runtime.comm.executors.select import ENV, ExecutorKind, resolve_executor
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.delenv(ENV, raising=False)
@@ -334,7 +334,7 @@ def test_executor_choice(monkeypatch):
 
 
 def test_a_staged_input_is_used_only_while_the_master_is_unchanged():
-    from hybridshard.runtime.offload import stage
+    from hybridshard.runtime.units.offload import stage
 
     master = torch.arange(4.0)
     staged = stage(lambda: master.to(torch.bfloat16), (master._version,), None)
@@ -345,7 +345,7 @@ def test_a_staged_input_is_used_only_while_the_master_is_unchanged():
 
 def test_offload_and_scaler_arguments():
     import hybridshard as hs
-    from hybridshard.runtime.offload import parse_offload
+    from hybridshard.runtime.units.offload import parse_offload
 
     assert parse_offload(None) is None and parse_offload(False) is None
     assert parse_offload(True) == hs.CPUOffload() and hs.CPUOffload().pin_memory

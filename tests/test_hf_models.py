@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridshard.runtime.strategy import ShardingStrategy
+from hybridshard.runtime.units.strategy import ShardingStrategy
 from tests import hf_models as HF
 from tests import runtime_models as RM
 from tests.mp import RankPool

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hybridshard as hs
-from hybridshard.runtime.strategy import ShardingStrategy
+from hybridshard.runtime.units.strategy import ShardingStrategy
 from tests import hf_models as HF
 from tests import large_jobs as J
 from tests import runtime_models as RM
@@ -235,7 +235,7 @@ def test_optimizer_built_before_shard_keeps_training(block):
 
 
 def test_model_check_sums_without_a_float64_copy():
-    from hybridshard.runtime import model_check
+    from hybridshard.runtime.setup import model_check
     from tests.live_bytes import LiveTensorBytes
 
     model = torch.nn.Linear(1024, 256)  # 262,144 elements: a float64 copy would be 2 MiB

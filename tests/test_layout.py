@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hybridshard.runtime.layout import FlatLayout
-from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
-from hybridshard.runtime.wrap import plan_units
+from hybridshard.runtime.units.layout import FlatLayout
+from hybridshard.runtime.units.strategy import MixedPrecision, ShardingStrategy
+from hybridshard.runtime.units.wrap import choose_units
 from tests.runtime_models import Block, TinyLM
 
 
@@ -90,10 +90,10 @@ def test_mixed_precision_validates_dtypes():
         MixedPrecision(param_dtype=torch.int8)
 
 
-def test_plan_units_owns_tied_and_frozen_params():
+def test_choose_units_owns_tied_and_frozen_params():
     torch.manual_seed(0)
     model = TinyLM()
-    specs = plan_units(model, {Block})
+    specs = choose_units(model, {Block})
     assert [s.name for s in specs] == ["", "blocks.0", "blocks.1"]
     root = specs[0]
     assert "embed.weight" in root.param_names and "head.weight" not in root.param_names and ("head.weight", "embed.weight") in root.aliases
@@ -102,29 +102,29 @@ def test_plan_units_owns_tied_and_frozen_params():
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())
 
 
-def test_plan_units_errors():
+def test_choose_units_errors():
     model = TinyLM()
     with pytest.raises(ValueError, match="matched no submodule"):
-        plan_units(model, {nn.Conv2d})
+        choose_units(model, {nn.Conv2d})
     with pytest.raises(ValueError, match="nn.Module classes"):
-        plan_units(model, {"Block"})
-    assert len(plan_units(model, lambda m: isinstance(m, nn.LayerNorm))) == 4
+        choose_units(model, {"Block"})
+    assert len(choose_units(model, lambda m: isinstance(m, nn.LayerNorm))) == 4
 
 
 class SubBlock(Block):
     pass
 
 
-def test_plan_units_per_unit_strategies():
+def test_choose_units_per_unit_strategies():
     model = TinyLM(num_blocks=3)
     model.blocks[2] = SubBlock()
-    specs = plan_units(model, {Block: "no_shard"})
+    specs = choose_units(model, {Block: "no_shard"})
     assert [s.strategy for s in specs] == [None] + [ShardingStrategy.NO_SHARD] * 3
     # A module's own class wins over an earlier base-class entry; None means the model's strategy.
-    specs = plan_units(model, {Block: None, SubBlock: ShardingStrategy.HYBRID_SHARD_ZERO2})
+    specs = choose_units(model, {Block: None, SubBlock: ShardingStrategy.HYBRID_SHARD_ZERO2})
     assert [s.strategy for s in specs] == [None, None, None, ShardingStrategy.HYBRID_SHARD_ZERO2]
     chosen = {model.blocks[0]: True, model.blocks[1]: "Full_Shard"}
-    specs = plan_units(model, lambda m: chosen.get(m))
+    specs = choose_units(model, lambda m: chosen.get(m))
     assert [(s.name, s.strategy) for s in specs] == [("", None), ("blocks.0", None), ("blocks.1", ShardingStrategy.FULL_SHARD)]
     assert "blocks.2.fc1.weight" in specs[0].param_names  # not a unit: the root owns it
 
@@ -138,13 +138,13 @@ def test_plan_units_per_unit_strategies():
         (lambda m: "ddp" if isinstance(m, Block) else False, r"wrap policy result for 'blocks.0' \(Block\).*got 'ddp'"),
     ],
 )
-def test_plan_units_rejects_bad_strategies(wrap, match):
+def test_choose_units_rejects_bad_strategies(wrap, match):
     with pytest.raises(ValueError, match=match):
-        plan_units(TinyLM(), wrap)
+        choose_units(TinyLM(), wrap)
 
 
 def test_low_precision_grads_need_grad_dtype():
-    from hybridshard.runtime.api import _check_low_precision_grads
+    from hybridshard.runtime.setup.api import _check_low_precision_grads
 
     mp = MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
     _check_low_precision_grads(mp, torch.Tensor)  # torch has Tensor.grad_dtype

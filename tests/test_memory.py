@@ -6,7 +6,7 @@ Counted as in [Note: counting live tensor bytes] (tests/live_bytes.py), per rank
 * every storage an op allocates on the main thread (the dispatch mode);
 * the unsharded buffers, which ``FlatParam.alloc_storage``/``free_storage`` grow and shrink with
   ``untyped_storage().resize_()`` outside any op: both are wrapped here and enter the same timeline;
-* the communication thread (``hybridshard-comm``, see hybridshard/runtime/overlap.py), which the mode
+* the communication thread (``hybridshard-comm``, see hybridshard/runtime/comm/executors/threads.py), which the mode
   entered on the main thread does not see: every job it runs is wrapped in a mode of its own, and
   the test asserts that it allocated nothing (it scales in place);
 * what exists before the step (master shards, AdamW state, buffers still gathered), added as a
@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybridshard.planning.sizing import ModelSpec, memory
-from hybridshard.runtime.strategy import ShardingStrategy
+from hybridshard.estimates.sizing import ModelSpec, memory
+from hybridshard.runtime.units.strategy import ShardingStrategy
 from tests import runtime_models as RM
 from tests.live_bytes import LiveTensorBytes, _key
 from tests.mp import RankPool
@@ -128,8 +128,8 @@ class _Recorder:
     """Wraps ``FlatParam.alloc_storage``/``free_storage`` and the communication thread's jobs."""
 
     def __init__(self, live: LiveTensorBytes) -> None:
-        from hybridshard.runtime.flat_param import FlatParam
-        from hybridshard.runtime.overlap import GradJob
+        from hybridshard.runtime.comm.executors.threads import GradJob
+        from hybridshard.runtime.units.flat_param import FlatParam
 
         self.live = live
         self.open: dict[int, int] = {}  # id(FlatParam) -> its recorded allocation

@@ -6,15 +6,15 @@ import pytest
 
 
 class _Stopped(Exception):
-    """What the faked ``faults.stop_now`` raises instead of ending the process."""
+    """What the faked ``errors.stop_now`` raises instead of ending the process."""
 
 
 @pytest.fixture
 def exiting(monkeypatch):
     """``exits._at_exit`` of rank 0 of 2 after 3 steps, with the store and the peers faked."""
-    from hybridshard.runtime import exits, faults, peers
-    from hybridshard.runtime.position import where
-    from hybridshard.runtime.rank_state import current
+    from hybridshard.runtime.faults import errors, exits, peers
+    from hybridshard.runtime.faults.rank_state import current
+    from hybridshard.runtime.trace.position import where
 
     monkeypatch.setattr(where, "step", 3)
     monkeypatch.setattr(current(), "raised", False)
@@ -29,7 +29,7 @@ def exiting(monkeypatch):
         stops.append(code)
         raise _Stopped
 
-    monkeypatch.setattr(faults, "stop_now", stop_now)
+    monkeypatch.setattr(errors, "stop_now", stop_now)
 
     def run(peer_seconds: list[float]) -> tuple[list[int], int]:
         """Rank 1 answers "in a collective for s seconds" for each s, then says it finished."""

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from hybridshard.runtime.strategy import ShardingStrategy
+from hybridshard.runtime.units.strategy import ShardingStrategy
 from tests import runtime_models as RM
 from tests.mp import RankPool
 
@@ -78,7 +78,7 @@ def test_same_results_with_and_without_prefetch_and_overlap(sweep, index):
 # -- prefetch really gathers ahead, and no more than asked -----------------------------------------
 
 def _gathered(units, skip) -> set[int]:
-    from hybridshard.runtime.unit import ShardedState
+    from hybridshard.runtime.units.unit import ShardedState
 
     return {u.index for u in units if u.index not in skip and u.sharded_state is not ShardedState.SHARDED}
 
@@ -147,7 +147,7 @@ class SkippingLM(RM.TinyLM):
 
 def run_changing_order(depth: int, overlap: bool) -> dict:
     import hybridshard as hs
-    from hybridshard.runtime.unit import ShardedState
+    from hybridshard.runtime.units.unit import ShardedState
 
     torch.manual_seed(0)
     model = SkippingLM(num_blocks=4)
@@ -185,9 +185,9 @@ def run_with_slow_replicate(overlap: bool, delay: float) -> dict:
     """Every replicate-group all-reduce is made ``delay`` seconds slower; record, at each block's
     post-backward, how many earlier units' reductions were still running."""
     import hybridshard as hs
-    from hybridshard.runtime import collectives as C
+    from hybridshard.runtime.comm import collectives as C
+    from hybridshard.runtime.comm.executors.base import JobState
     from hybridshard.topology import groups as G
-    from hybridshard.runtime.overlap import JobState
 
     real = C.all_reduce
     threads: set[str] = set()
@@ -209,7 +209,7 @@ def run_with_slow_replicate(overlap: bool, delay: float) -> dict:
             original = unit._post_backward
 
             def post(leaf, original=original):
-                in_flight.append(sum(job.state is not JobState.REDUCED for job in runtime.reducer._jobs))
+                in_flight.append(sum(job.state is not JobState.REDUCED for job in runtime.executor._jobs))
                 original(leaf)
             unit.flat.unsharded._post_accumulate_grad_hooks.clear()
             unit.flat.unsharded.register_post_accumulate_grad_hook(post)

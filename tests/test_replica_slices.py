@@ -87,8 +87,8 @@ def test_optimizer_state_is_one_slice_per_rank(features):
 def test_planner_matches_measured_optimizer_bytes(features):
     """``plan --model-params``'s optimizer figure for the option is within 5 % of the bytes measured
     after one step, and its inter-node traffic equals HYBRID_SHARD's."""
-    from hybridshard.planning import sizing
-    from hybridshard.runtime.strategy import ShardingStrategy
+    from hybridshard.estimates import sizing
+    from hybridshard.runtime.units.strategy import ShardingStrategy
 
     model = RM.make_model()
     block = sum(p.numel() for p in model.blocks[0].parameters())

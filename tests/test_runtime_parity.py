@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridshard.runtime.strategy import ShardingStrategy
+from hybridshard.runtime.units.strategy import ShardingStrategy
 from tests import runtime_models as RM
 from tests.mp import RankPool
 

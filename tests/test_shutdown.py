@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from hybridshard.runtime import handoff
+from hybridshard.runtime.comm import handoff
 from tests.mp import run_rank_processes
 
 HERE = os.path.dirname(__file__)

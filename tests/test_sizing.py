@@ -1,4 +1,4 @@
-"""The sizing math (hybridshard.planning.sizing) and `hybridshard plan --model-params`: formulas, parsing, errors."""
+"""The sizing math (hybridshard.estimates.sizing) and `hybridshard plan --model-params`: formulas, parsing, errors."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import math
 import pytest
 
 from hybridshard.cli import main
-from hybridshard.planning.sizing import (
+from hybridshard.estimates.sizing import (
     ClusterSpec, LinkClass, ModelSpec, Optimizer, estimate, estimate_all, memory, recommend, shard_sizes, step_collectives,
 )
-from hybridshard.planning.format import parse_bytes, parse_count
-from hybridshard.runtime.strategy import ShardingStrategy as S
+from hybridshard.estimates.format import parse_bytes, parse_count
+from hybridshard.runtime.units.strategy import ShardingStrategy as S
 from hybridshard.topology.synthetic import synthetic_cluster
 
 INTRA, INTER = LinkClass.INTRA_NODE, LinkClass.INTER_NODE
@@ -122,7 +122,7 @@ def test_recommendation_fits_and_is_fastest():
     (dict(num_params=10, unit_params=11), "unit_params must be between 1 and num_params (10)"),
     (dict(num_params=10, unit_params=1, root_params=-1), "root_params must be between 0"),
     (dict(num_params=10, unit_params=1, param_dtype="int8"), "param_dtype must be one of fp32, bf16, fp16"),
-    (dict(num_params=10, unit_params=1, optimizer="adamw"), "must be a hybridshard.planning.sizing.Optimizer"),
+    (dict(num_params=10, unit_params=1, optimizer="adamw"), "must be a hybridshard.estimates.sizing.Optimizer"),
 ])
 def test_model_spec_rejects_bad_values(kwargs, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):

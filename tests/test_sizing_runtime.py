@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hybridshard.planning.sizing import ClusterSpec, LinkClass, ModelSpec, estimate, memory, step_collectives
-from hybridshard.runtime.strategy import ShardingStrategy
+from hybridshard.estimates.sizing import ClusterSpec, LinkClass, ModelSpec, estimate, memory, step_collectives
+from hybridshard.runtime.units.strategy import ShardingStrategy
 from tests import runtime_models as RM
 from tests.mp import RankPool
 

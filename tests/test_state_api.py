@@ -93,12 +93,12 @@ def optimizer_state_job() -> dict:
 def replica_check_job() -> dict:
     """Which steps ``maybe_check_replicas`` checks, and a divergence on one replica it catches."""
     import hybridshard as hs
-    from hybridshard.runtime.engine import get_runtime
+    from hybridshard.runtime.engine import get_engine
 
     model = _shard(0, "HYBRID_SHARD")
     out = {"steps": [hs.maybe_check_replicas(model, step=s, every=3) for s in range(7)],
            "never": [hs.maybe_check_replicas(model, step=s, every=0) for s in (0, 3)]}
-    unit = get_runtime(model).units[1]
+    unit = get_engine(model).units[1]
     if unit.groups.replicate_rank == 1:  # one replica of each shard changes one value
         unit.flat.sharded.data[0] += 1.0
     out["off_step"] = _first_line(lambda: hs.maybe_check_replicas(model, step=4, every=3))
@@ -140,7 +140,7 @@ def compression_round_trip_job(root: str) -> dict:
     """``replicate_compression="int8"``: 3 steps, a checkpoint, 3 more; a fresh model (other weights)
     resumed from it; and the uninterrupted run with its error feedback reset at the checkpoint."""
     import hybridshard as hs
-    from hybridshard.runtime.engine import get_runtime
+    from hybridshard.runtime.engine import get_engine
 
     def run(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model = _shard(seed, "HYBRID_SHARD", replicate_compression="int8")
@@ -153,7 +153,7 @@ def compression_round_trip_job(root: str) -> dict:
     out = {"uninterrupted": hs.full_state_dict(model)}
     model, opt = run(0)
     _train(model, opt, range(3))
-    get_runtime(model).compressor.reset()
+    get_engine(model).compressor.reset()
     _train(model, opt, range(3, 6))
     out["reset"] = hs.full_state_dict(model)
     model, opt = run(1)

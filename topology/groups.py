@@ -12,7 +12,7 @@
 ``shard`` or ``replicate`` is ``None`` when that dimension holds this rank alone: its size is 1 and
 nothing is ever sent over it. ``None`` never stands for the whole job; the whole job is
 ``torch.distributed.group.WORLD``, passed explicitly. The collectives follow the same rule (see
-:mod:`hybridshard.runtime.collectives`), so a missed guard cannot turn into a collective over every rank.
+:mod:`hybridshard.runtime.comm.collectives`), so a missed guard cannot turn into a collective over every rank.
 
 [Note: every rank creates every group]
 Creating a process group is collective over the default group: every rank must create every group,

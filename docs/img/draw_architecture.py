@@ -89,7 +89,7 @@ def draw(out: str) -> None:
     ax.text(7.5, 78.6, "topology/groups.py   init_groups() -> ShardGroups: the shard group and the replicate group",
             ha="left", va="center", fontsize=8.8, family="monospace", color="#222222")
     ax.text(7.5, 76.2, "api.shard()          model_check, wrap, build -> one Unit per wrapped module;  "
-            "engine.Runtime.attach(): module hooks",
+            "engine.Engine.attach(): module hooks",
             ha="left", va="center", fontsize=8.8, family="monospace", color="#222222")
 
     gap = (W - 6.0 - 1.5 - 5 * BOX_W) / 4
@@ -109,7 +109,7 @@ def draw(out: str) -> None:
         arrow(ax, start, end, label, label_at=((start[0] + end[0]) / 2, left["cy"] + 1.6))
 
     # -- forward: left to right -------------------------------------------------------------------
-    a1 = box(ax, xs[0], ya, "forward pre-hook", "engine.Runtime;\nthe root casts inputs\nto param_dtype", ENGINE)
+    a1 = box(ax, xs[0], ya, "forward pre-hook", "engine.Engine;\nthe root casts inputs\nto param_dtype", ENGINE)
     a2 = box(ax, xs[1], ya, "prefetch", "Prefetcher.before_unit:\nissue the all-gathers\nof the next units", UNIT)
     a3 = box(ax, xs[2], ya, "unit gathers", "Unit.unshard:\ncollectives.all_gather\nover the shard group", SHARD)
     a4 = box(ax, xs[3], ya, "compute", "the module's forward\non views of the\nunsharded buffer\n(flat_param)", TORCH)
@@ -127,7 +127,7 @@ def draw(out: str) -> None:
     b4 = box(ax, xs[1], yb, "reduce-scatter",
              "GradReduction.reduce:\ncollectives\n.reduce_scatter in\nthe shard group\n(async, main thread)", SHARD)
     b5 = box(ax, xs[0], yb, "comm thread",
-             "a GradReducer job:\nscale by 1/world, then\ncollectives.all_reduce\nacross the replicate\ngroup", REPLICATE)
+             "a ThreadExecutor job:\nscale by 1/world, then\ncollectives.all_reduce\nacross the replicate\ngroup", REPLICATE)
     arrow(ax, (a5["cx"], a5["b"]), (b1["cx"], b1["t"]), "unit",
           label_at=(a5["cx"] + 0.8, (a5["b"] + b1["t"]) / 2), ha="left")
     for right, left, label in ((b1, b2, "unit"), (b2, b3, "unit"), (b3, b4, "reduce")):

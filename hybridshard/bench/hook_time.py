@@ -7,7 +7,7 @@ the autograd hooks and the end-of-backward callback call into - and adds the wal
 *outermost* entry (an entry point that calls another counts once) to the total of
 :attr:`HookClock.label`, which the caller sets to the contestant whose step runs:
 
-- hybridshard: the forward pre/post hooks ``Runtime`` makes, ``Unit._pre_backward``,
+- hybridshard: the forward pre/post hooks ``Engine`` makes, ``Unit._pre_backward``,
   ``Unit._post_backward``, ``Unit._inputs_done`` and the end-of-backward callback;
 - FSDP1: ``_root_pre_forward``, ``_pre_forward``, ``_post_forward``, ``_pre_backward_hook``,
   ``_post_backward_hook``, ``_post_backward_reshard_only_hook`` and ``_post_backward_final_callback``
@@ -19,7 +19,7 @@ the autograd hooks and the end-of-backward callback call into - and adds the wal
 Besides wall time, the clock adds the *CPU time* of the thread inside each outermost entry
 (``time.thread_time``): the hooks' own work, without the time they spend blocked on a collective,
 a lock or another process (4 ranks on 2 cores are often descheduled). hybridshard also runs part of
-its gradient path on its communication thread (:class:`~hybridshard.runtime.overlap.GradJob`): that
+its gradient path on its communication thread (:class:`~hybridshard.runtime.comm.executors.threads.GradJob`): that
 thread's CPU time in its jobs is added to the same total (:data:`THREAD_ENTRY_POINTS`; not to the
 wall time, which would count its waits). FSDP1 and FSDP2 run no thread of their own on the CPU.
 
@@ -47,11 +47,11 @@ __all__ = ["HookClock", "ENTRY_POINTS", "THREAD_ENTRY_POINTS"]
 # system -> [(module, owner class or None, attribute, wraps a hook factory's result)]
 ENTRY_POINTS: dict[str, list[tuple[str, str | None, str, bool]]] = {
     "hybridshard": [
-        ("hybridshard.runtime.engine", "Runtime", "_make_pre_hook", True),
-        ("hybridshard.runtime.engine", "Runtime", "_make_post_hook", True),
-        ("hybridshard.runtime.unit", "Unit", "_pre_backward", False),
-        ("hybridshard.runtime.unit", "Unit", "_post_backward", False),
-        ("hybridshard.runtime.unit", "Unit", "_inputs_done", False),
+        ("hybridshard.runtime.engine", "Engine", "_make_pre_hook", True),
+        ("hybridshard.runtime.engine", "Engine", "_make_post_hook", True),
+        ("hybridshard.runtime.units.unit", "Unit", "_pre_backward", False),
+        ("hybridshard.runtime.units.unit", "Unit", "_post_backward", False),
+        ("hybridshard.runtime.units.unit", "Unit", "_inputs_done", False),
         ("hybridshard.runtime.engine", "_FinishBackward", "__call__", False),
     ],
     "fsdp1": [
@@ -70,7 +70,7 @@ ENTRY_POINTS: dict[str, list[tuple[str, str | None, str, bool]]] = {
 
 # Entry points run on a thread of the system's own: CPU time only (see the Note).
 THREAD_ENTRY_POINTS: dict[str, list[tuple[str, str | None, str, bool]]] = {
-    "hybridshard": [("hybridshard.runtime.overlap", "GradJob", "run", False)],
+    "hybridshard": [("hybridshard.runtime.comm.executors.threads", "GradJob", "run", False)],
 }
 
 

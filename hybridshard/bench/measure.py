@@ -6,7 +6,7 @@ hybridshard counts its own collectives (:func:`hybridshard.count_collectives`). 
 ``reduce_scatter_single`` / ``all_reduce`` (and the older ``*_into_tensor`` / ``*_tensor`` names) through the module, so while one of their steps runs, those
 functions are wrapped to record each call into the same :class:`CollectiveCounts`, named by group
 ("shard", "replicate" by their ranks, else "world"/"other"). Both sides use the same ring model
-(:func:`hybridshard.runtime.counters.ring_bytes`): bytes one rank sends per step. Counting happens on one
+(:func:`hybridshard.runtime.trace.counters.ring_bytes`): bytes one rank sends per step. Counting happens on one
 untimed warm-up step only, so the wrappers never touch a timed step.
 
 [Note: bench memory]
@@ -36,7 +36,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from hybridshard.runtime.collectives import CollectiveCounts
+from hybridshard.bench.live_bytes import LiveTensorBytes
+from hybridshard.runtime.comm.collectives import CollectiveCounts
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +127,6 @@ def peak_step_bytes(step: Callable[[], object], device: torch.device) -> int:
         step()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device) - before)
-    from hybridshard.bench.live_bytes import LiveTensorBytes
-
     live = LiveTensorBytes()
     with live, live.counting_resizes():
         step()

@@ -11,7 +11,7 @@ pieces in the same order:
 - FSDP2: ``fully_shard(block, mesh=groups.mesh, reshard_after_forward=Z3)`` for every block, where
   ``Z3`` is True for HYBRID_SHARD (ZeRO-3 in the node) and False for ZeRO-2, then the root with
   FSDP2's default for it (kept gathered from forward to backward, as FSDP1 and hybridshard keep it);
-- with ``--compile``: hybridshard's ``compile=True`` variant (see :mod:`hybridshard.runtime.compile`) and
+- with ``--compile``: hybridshard's ``compile=True`` variant (see :mod:`hybridshard.runtime.setup.compile`) and
   FSDP2 with ``block.compile()`` on every block after ``fully_shard``;
 - floor: the plain model on every rank, no collectives (each rank trains on its own slice, so its
   losses match the others' on the first step only).
@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import hybridshard as hs
 from hybridshard.bench.config import BenchConfig, Contestant, System
 from hybridshard.bench.model import GPT, Block
 
@@ -61,8 +62,6 @@ def build_model(cfg: BenchConfig) -> GPT:
 
 
 def _hybridshard(model: nn.Module, cfg: BenchConfig, groups, contestant: Contestant, device) -> nn.Module:
-    import hybridshard as hs
-
     return hs.shard(model, strategy=cfg.strategy, groups=groups, wrap={Block}, device=device,
                     **dict(contestant.options))
 

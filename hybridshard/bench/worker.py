@@ -24,11 +24,13 @@ import torch.distributed as dist
 
 import hybridshard as hs
 from hybridshard.bench import measure, stats
+from hybridshard.bench.chart import write_chart
 from hybridshard.bench.config import BenchConfig, System
 from hybridshard.bench.compiled import CompileCounts
 from hybridshard.bench.hook_time import HookClock
 from hybridshard.bench.model import rank_batch
 from hybridshard.bench.progress import Progress
+from hybridshard.bench.report import render_text
 from hybridshard.bench.systems import Trainer, build_model, build_trainer
 
 logger = logging.getLogger(__name__)
@@ -162,8 +164,6 @@ def _run(cfg: BenchConfig, out_dir: str, clock: HookClock, *, link: str, from_jo
     results = _assemble(cfg, groups, names, times_ms, mean_losses.tolist(), everyone, link=link, device=device)
     _write(results, out_dir)
     if print_report:
-        from hybridshard.bench.report import render_text
-
         print(render_text(results), flush=True)
     return results
 
@@ -232,8 +232,6 @@ def _assemble(cfg: BenchConfig, groups, names: list[str], times_ms: dict[str, li
 
 def _write(results: dict, out_dir: str) -> None:
     import json
-
-    from hybridshard.bench.chart import write_chart
 
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, JSON_NAME)

@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from hybridshard.planning import sizing
-from hybridshard.planning.format import parse_bytes, parse_count, render_text, to_dict
+from hybridshard.estimates import sizing
+from hybridshard.estimates.format import parse_bytes, parse_count, render_text, to_dict
 from hybridshard.topology.planner import DOMAINS, format_plan, plan_groups
 from hybridshard.topology.records import ClusterView
 from hybridshard.topology.synthetic import LAYOUTS, NVLINK_SHAPES, replicated_cluster, synthetic_cluster

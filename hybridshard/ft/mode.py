@@ -31,11 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hybridshard.ft.healing import load_shard_state, replicas_agree, shard_digest, shard_state
 from hybridshard.ft.membership import Membership
 from hybridshard.ft.replicate import ManagedReplicate
-from hybridshard.ft.state import load_shard_state, replicas_agree, shard_digest, shard_state
-from hybridshard.runtime import collectives as C
-from hybridshard.runtime.engine import get_runtime
+from hybridshard.runtime.comm import collectives as C
+from hybridshard.runtime.engine import get_engine
+from hybridshard.state import checkpoint
 from hybridshard.state.replicas import ReplicaDivergence
 from hybridshard.topology.groups import collective_device
 
@@ -100,7 +101,7 @@ class FaultTolerance:
         max_failed_steps: int = 20,
     ) -> None:
         torchft = import_torchft()
-        runtime = get_runtime(model)
+        engine = get_engine(model)
         if min_replicas < 1 or max_failed_steps < 1:
             raise ValueError(f"min_replicas and max_failed_steps must be at least 1; got {min_replicas}, {max_failed_steps}")
         if not dist.is_initialized():
@@ -108,20 +109,20 @@ class FaultTolerance:
                 "fault-tolerant mode expected the replica group's process group, found none; call "
                 "torch.distributed.init_process_group (or run under hybridshard launch) before FaultTolerance"
             )
-        for unit in runtime.units:
+        for unit in engine.units:
             if unit.strategy.is_hybrid and unit.groups.replicate_size != 1:
                 raise ValueError(
                     f"fault-tolerant mode runs each replica group as its own job, but unit {unit.name!r} has a "
                     f"replicate group of {unit.groups.replicate_size} ranks; start one job per node "
                     "(hybridshard launch --fault-tolerant) so that init_groups() plans replicate size 1"
                 )
-        if runtime.compressor is not None:
+        if engine.compressor is not None:
             raise ValueError(
                 "fault-tolerant mode reduces across replica groups with torchft's all-reduce, which "
-                f"replicate_compression={runtime.compressor.mode!r} cannot run on; shard without "
+                f"replicate_compression={engine.compressor.mode!r} cannot run on; shard without "
                 "replicate_compression"
             )
-        if runtime.replicate_hook is not None:
+        if engine.replicate_hook is not None:
             raise ValueError("this model already runs in fault-tolerant mode: create one FaultTolerance per model")
         self.model, self.optimizer = model, optimizer
         lighthouse = _required(lighthouse, LIGHTHOUSE_ENV, "the lighthouse's address")
@@ -147,9 +148,9 @@ class FaultTolerance:
             connect_timeout=timedelta(seconds=timeout),
             init_sync=init_sync,
         )
-        runtime.replicate_hook = ManagedReplicate(self.manager)
+        engine.replicate_hook = ManagedReplicate(self.manager)
         # The quorum is awaited when the forward ends, not inside backward: see [Note: managed replicate all-reduce].
-        self._quorum_hook = model.register_forward_hook(runtime.replicate_hook.quorum_ready)
+        self._quorum_hook = model.register_forward_hook(engine.replicate_hook.quorum_ready)
         self._started = False
         self._had_quorum = False
         self.min_replicas, self.max_failed_steps = min_replicas, max_failed_steps
@@ -162,7 +163,7 @@ class FaultTolerance:
         """Start this step's quorum (it completes while the forward runs). Once per optimizer step,
         before its first forward (``no_sync`` micro-batches included)."""
         self.manager.start_quorum()
-        get_runtime(self.model).replicate_hook.quorum_started = True
+        get_engine(self.model).replicate_hook.quorum_started = True
         self._started = self._had_quorum = True
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
@@ -256,20 +257,16 @@ class FaultTolerance:
     def save_checkpoint(self, path: str, *, extra: Any = None) -> bool:
         """Save a checkpoint from the first live group only (each group holds the whole model); True
         on the group that saved. Call it after a committed :meth:`step`."""
-        from hybridshard.state.checkpoint import save_checkpoint
-
         if self.replica_rank != 0:
             return False
-        save_checkpoint(path, self.model, optimizer=self.optimizer,
+        checkpoint.save_checkpoint(path, self.model, optimizer=self.optimizer,
                         extra={"torchft": self.state_dict(), "user": extra})
         return True
 
     def load_checkpoint(self, path: str) -> Any:
         """Load a checkpoint saved by :meth:`save_checkpoint` (the fallback when every group was lost);
         restores the step count and returns the saved ``extra``."""
-        from hybridshard.state.checkpoint import load_checkpoint
-
-        saved = load_checkpoint(path, self.model, optimizer=self.optimizer)
+        saved = checkpoint.load_checkpoint(path, self.model, optimizer=self.optimizer)
         if not isinstance(saved, dict) or "torchft" not in saved:
             raise ValueError(f"{path} was not saved by FaultTolerance.save_checkpoint (no torchft step in it)")
         self.manager.load_state_dict(saved["torchft"])
@@ -277,6 +274,6 @@ class FaultTolerance:
 
     def shutdown(self) -> None:
         """Stop the manager's servers; the model reduces across nothing after it."""
-        get_runtime(self.model).replicate_hook = None
+        get_engine(self.model).replicate_hook = None
         self._quorum_hook.remove()
         self.manager.shutdown(wait=False)

@@ -20,7 +20,7 @@ the host even for CUDA tensors (gloo's threads copy them, sum on the CPU and cop
 stream executor does not wait for it inside the all-reduce stream's job as it does for NCCL: the
 pending all-reduce is ``host_blocking`` and is waited by the compute stream's wait at the end of
 backward, after every unit was issued (gloo runs them meanwhile; see ``Fence.wait`` in
-:mod:`hybridshard.runtime.streams`). ``Manager.allreduce`` first waits for the step's quorum; the
+:mod:`hybridshard.runtime.comm.executors.streams`). ``Manager.allreduce`` first waits for the step's quorum; the
 quorum is awaited at the end of the forward instead (:meth:`ManagedReplicate.quorum_ready`, from
 the model's forward hook), so inside backward that wait returns at once.
 """
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from hybridshard.runtime.counters import CollectiveCounts, record
+from hybridshard.runtime.trace.counters import CollectiveCounts, record
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
+import hybridshard as hs
+from hybridshard.runtime.engine import holds_sharded_module, is_sharded
+
 logger = logging.getLogger(__name__)
 
 STRATEGY_NAMES = {
@@ -61,9 +64,6 @@ def shard_model(model: nn.Module, *, strategy: Any, wrap: Any, groups: Any, shar
     ``wrap=None`` takes the decoder-layer classes of a Hugging Face model (:func:`layer_classes`);
     ``groups=None`` builds them from the discovered topology when the strategy is hybrid (unless
     ``shard_kwargs`` holds a ``mesh``)."""
-    import hybridshard as hs
-    from hybridshard.runtime.engine import holds_sharded_module
-
     if not dist.is_initialized():
         raise RuntimeError(
             "hybridshard needs an initialised default process group before the model is sharded, but none exists; "
@@ -81,8 +81,6 @@ def shard_model(model: nn.Module, *, strategy: Any, wrap: Any, groups: Any, shar
 
 def sharded_module(model: nn.Module) -> nn.Module:
     """The outermost module of ``model`` that went through :func:`hybridshard.shard`."""
-    from hybridshard.runtime.engine import is_sharded
-
     for module in model.modules():
         if is_sharded(module):
             return module

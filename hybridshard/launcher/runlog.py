@@ -13,7 +13,7 @@ last one in ``TORCHELASTIC_ERROR_FILE``). Beside them the node leaves:
 
 ``error.json`` is torch's error-file format (what ``@record`` writes: ``message.message`` and
 ``message.extraInfo.{py_callstack,timestamp}``); a process that trained with the runtime writes it
-itself for an uncaught exception or a stop (:func:`hybridshard.runtime.faults.write_error_file`),
+itself for an uncaught exception or a stop (:func:`hybridshard.runtime.faults.errors.write_error_file`),
 adding ``extraInfo.hybridshard``: ``time`` (float seconds) and ``consequence`` (the error is the
 consequence of another rank's failure). Everything here is read after
 torchrun returned, so it works when the job's store is gone.

@@ -31,7 +31,7 @@ worker too) needs two things from the rendezvous that the defaults do not give:
   publishes a new free port every round and rank 0's worker hosts a new store there, so every
   attempt starts from an empty store; the launcher sets it whenever workers can restart. The cost:
   that store lives in rank 0's process, so when rank 0 is the rank that died its peers cannot read
-  each other's fault reports (see [Note: naming the lost rank] in ``hybridshard/runtime/faults.py``).
+  each other's fault reports (see [Note: naming the lost rank] in ``hybridshard/runtime/faults/errors.py``).
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ NCCL_FAULT_DEFAULTS = (
 [Note: NCCL faults]
 On NCCL a failed or timed-out collective is found by the process group's watchdog thread, not by the
 Python code that issued it (``wait()`` returns at once; see [Note: stream executor] in
-``hybridshard/runtime/streams.py``), so no error is raised where the collective was issued. The
+``hybridshard/runtime/comm/executors/streams.py``), so no error is raised where the collective was issued. The
 runtime's watchdog names the lost rank from the job's store once a collective has been stuck for
 ``HYBRIDSHARD_FAULT_SECONDS`` and stops the process (see [Note: a stuck collective with a lost peer] in
-``hybridshard/runtime/faults.py``). The launcher makes every other failure end the job promptly and
+``hybridshard/runtime/faults/errors.py``). The launcher makes every other failure end the job promptly and
 leave evidence: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` makes the watchdog stop the process on a
 timeout or a peer's failure without a communicator abort that could itself hang (torchrun's agent
 then stops or restarts every worker), and ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` with a trace buffer of the

@@ -29,31 +29,36 @@ import contextlib
 import logging
 import time
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
-from hybridshard.runtime import agreement
-from hybridshard.runtime.counters import CollectiveCounts
-from hybridshard.runtime.executor import ExecutorKind, make_executor
-from hybridshard.runtime.offload import CPUOffload, arrived
-from hybridshard.runtime.position import where
-from hybridshard.runtime.prefetch import Pass, Prefetcher
-from hybridshard.runtime.reduce import SyncMode
-from hybridshard.runtime.strategy import MixedPrecision, ShardingStrategy
-from hybridshard.runtime.unit import Unit
+from hybridshard.runtime.comm import agreement
+from hybridshard.runtime.comm.executors.select import ExecutorKind, make_executor
+from hybridshard.runtime.grads.compression import ReplicateCompressor
+from hybridshard.runtime.grads.reduce import SyncMode
+from hybridshard.runtime.trace.counters import CollectiveCounts
+from hybridshard.runtime.trace.position import where
+from hybridshard.runtime.units.offload import CPUOffload, arrived
+from hybridshard.runtime.units.prefetch import Pass, Prefetcher
+from hybridshard.runtime.units.strategy import MixedPrecision, ShardingStrategy
+from hybridshard.runtime.units.unit import Unit
+
+if TYPE_CHECKING:
+    from hybridshard.ft.replicate import ManagedReplicate
+    from hybridshard.runtime.optim.replica_slices import SliceSync
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Runtime", "get_runtime", "holds_sharded_module", "is_sharded", "no_sync"]
+__all__ = ["Engine", "comm_stats", "get_engine", "holds_sharded_module", "is_sharded", "no_sync"]
 
 _ATTR = "_hybridshard_runtime"
 
 
-class Runtime:
+class Engine:
     """Everything ``shard`` attached to one model."""
 
     def __init__(
@@ -65,14 +70,14 @@ class Runtime:
         *,
         prefetch: int = 1,
         overlap_grads: bool = True,
-        compressor: Any = None,
+        compressor: ReplicateCompressor | None = None,
         check_steps: bool = True,
         executor: ExecutorKind = ExecutorKind.THREADS,
         offload: CPUOffload | None = None,
     ) -> None:
         self.model = model
         self.offload = offload
-        """Where the units keep their master shards; see [Note: CPU offload] in :mod:`hybridshard.runtime.offload`."""
+        """Where the units keep their master shards; see [Note: CPU offload] in :mod:`hybridshard.runtime.units.offload`."""
         self.check_steps = check_steps
         """Compare every rank's step before each forward and backward; see [Note: step check]."""
         self._pending_check: agreement.StepCheck | None = None
@@ -90,27 +95,22 @@ class Runtime:
         self.prefetch_depth = prefetch
         self.prefetcher: Prefetcher | None = None
         self.overlap_grads = overlap_grads
-        """Leave gradient collectives running through backward; see :mod:`hybridshard.runtime.overlap`."""
+        """Leave gradient collectives running through backward; see :mod:`hybridshard.runtime.comm.executors.threads`."""
         self.executor = make_executor(executor, device)
         """Issues the units' gathers and gradient reductions: the communication thread (CPU) or streams
-        (CUDA); see :mod:`hybridshard.runtime.executor`."""
+        (CUDA); see :mod:`hybridshard.runtime.comm.executors.select`."""
         self.compressor = compressor
-        """A :class:`~hybridshard.runtime.compression.ReplicateCompressor` for hybrid units, or ``None``."""
-        self.replicate_hook: Any = None
+        """A :class:`~hybridshard.runtime.grads.compression.ReplicateCompressor` for hybrid units, or ``None``."""
+        self.replicate_hook: ManagedReplicate | None = None
         """Fault-tolerant mode: reduces hybrid units' shards across replica groups in place of the
         replicate group (``all_reduce(shard, stats=, async_op=)``); see :mod:`hybridshard.ft`."""
         self.stats = CollectiveCounts()
         """What the units' collectives moved; read by :func:`hybridshard.comm_stats`."""
         self.steps = 0
         """Backwards that reduced gradients (not inside ``no_sync``) since the stats were reset."""
-        self.replica_slices: Any = None
-        """A :class:`~hybridshard.runtime.replica_slices.SliceSync` when the optimizer is sharded across
+        self.replica_slices: SliceSync | None = None
+        """A :class:`~hybridshard.runtime.optim.replica_slices.SliceSync` when the optimizer is sharded across
         replicas, else ``None``."""
-
-    @property
-    def reducer(self) -> Any:
-        """The executor, under the name of its gradient half."""
-        return self.executor
 
     @property
     def root(self) -> Unit:
@@ -318,11 +318,11 @@ def _conversion_error(what: str, name: str, old: torch.Tensor, new: torch.Tensor
 class _FinishBackward:
     """The engine callback that ends a backward (an object, so the runtime can hold a weak reference)."""
 
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
     def __call__(self) -> None:
-        self.runtime._finish_backward()
+        self.engine._finish_backward()
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -335,14 +335,14 @@ def holds_sharded_module(model: nn.Module) -> bool:
     return any(is_sharded(m) for m in model.modules())
 
 
-def get_runtime(model: nn.Module) -> Runtime:
-    runtime = getattr(model, _ATTR, None)
-    if runtime is None:
+def get_engine(model: nn.Module) -> Engine:
+    engine = getattr(model, _ATTR, None)
+    if engine is None:
         raise ValueError(
             f"{type(model).__name__} is not sharded: call hybridshard.shard(model, ...) first and pass "
             "the model it returned"
         )
-    return runtime
+    return engine
 
 
 @contextlib.contextmanager
@@ -358,18 +358,42 @@ def no_sync(model: nn.Module, *, reduce_scatter: bool = False) -> Iterator[None]
     next backward; ``optimizer.zero_grad()`` before it does not clear it. A block opened inside an
     open block of the same kind joins it.
     """
-    runtime = get_runtime(model)
+    engine = get_engine(model)
     mode = SyncMode.SHARD_ONLY if reduce_scatter else SyncMode.LOCAL
-    if runtime.sync_mode is mode:  # joins the open block: accelerate enters model.no_sync around a Trainer's own
+    if engine.sync_mode is mode:  # joins the open block: accelerate enters model.no_sync around a Trainer's own
         yield
         return
-    if runtime.sync_mode is not SyncMode.SYNC:
+    if engine.sync_mode is not SyncMode.SYNC:
         raise ValueError(
             f"no_sync(reduce_scatter={reduce_scatter}) expects no open block or one of the same kind, found one with "
             f"reduce_scatter={not reduce_scatter}; leave the open block first"
         )
-    runtime.sync_mode = mode
+    engine.sync_mode = mode
     try:
         yield
     finally:
-        runtime.sync_mode = SyncMode.SYNC
+        engine.sync_mode = SyncMode.SYNC
+
+
+def comm_stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
+    """This rank's communication since ``shard`` (or the last reset) for ``model``.
+
+    Returns ``{"steps": n, "groups": {group: {op: {"calls", "elements", "bytes", "ring_bytes"},
+    "total": {"ring_bytes"}}}, "hook_seconds": {unit name: seconds}, "gather_wait_seconds": {...}}``: ``steps`` counts backwards that
+    reduced gradients (``no_sync`` ones excluded), ``bytes`` are the input tensors' bytes and
+    ``ring_bytes`` what this rank sends in the ring model; ``hook_seconds`` is the wall time spent in
+    the runtime's hooks per unit, and ``gather_wait_seconds`` the part of it spent gathering the
+    unit's parameters (blocked on the all-gather); the rest is the hooks' own CPU work. ``reset=True`` zeroes everything after reading.
+    Only the units' own collectives count (gathers, gradient reductions), not those of
+    ``clip_grad_norm_``, checkpoints or state dicts.
+    """
+    engine = get_engine(model)
+    out = {
+        "steps": engine.steps,
+        "groups": engine.stats.by_group(),
+        "hook_seconds": {unit.name: unit.hook_seconds for unit in engine.units},
+        "gather_wait_seconds": {unit.name: unit.wait_seconds for unit in engine.units},
+    }
+    if reset:
+        engine.reset_stats()
+    return out

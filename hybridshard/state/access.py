@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hybridshard.runtime import collectives as C
-from hybridshard.runtime.engine import get_runtime, is_sharded
-from hybridshard.runtime.state_guard import module_state_dict
-from hybridshard.runtime.unit import ShardedState, Unit
+from hybridshard.runtime.comm import collectives as C
+from hybridshard.runtime.engine import get_engine, is_sharded
+from hybridshard.runtime.setup.state_guard import module_state_dict
+from hybridshard.runtime.units.unit import ShardedState, Unit
+from hybridshard.state.pieces import replica_part
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +31,15 @@ __all__ = [
 
 def units(model: nn.Module) -> Sequence[Unit]:
     """The sharded model's units, root first."""
-    return get_runtime(model).units
+    return get_engine(model).units
 
 
 def check_idle(model: nn.Module, what: str) -> None:
     """``RuntimeError`` unless every unit is sharded (between steps): ``what`` reads the master shards.
 
     Waits for the all-gathers across replicas the last optimizer step started, so the master shards
-    are current (see :mod:`hybridshard.runtime.replica_slices`)."""
-    slices = get_runtime(model).replica_slices
+    are current (see :mod:`hybridshard.runtime.optim.replica_slices`)."""
+    slices = get_engine(model).replica_slices
     if slices is not None:
         slices.wait_all()
     for unit in units(model):
@@ -77,7 +78,7 @@ def master_shard(unit: Unit) -> torch.Tensor:
 def gather_slices(model: nn.Module) -> None:
     """After writing the owned ranges of the master shards (a load): all-gather them across replicas
     when the optimizer is sharded across them; no-op otherwise. Collective."""
-    slices = get_runtime(model).replica_slices
+    slices = get_engine(model).replica_slices
     if slices is not None:
         slices.gather_all()
 
@@ -112,13 +113,12 @@ def param_ranges(model: nn.Module, *, replica_split: bool = False) -> dict[str, 
 
     For a plain model every range is the whole parameter. For a sharded one it is this rank's part
     of the parameter (see [Note: flat layout]); with ``replica_split`` only this replica's share of
-    that part (see [Note: replicas split the writing] in :mod:`hybridshard.state.planner`). With the
+    that part (see [Note: replicas split the writing] in :mod:`hybridshard.state.pieces`). With the
     optimizer sharded across replicas it is always that share: the slice the parameter views (see
-    :mod:`hybridshard.runtime.replica_slices`).
+    :mod:`hybridshard.runtime.optim.replica_slices`).
     """
     if not is_sharded(model):
         return {n: ParamRange(tuple(p.shape), 0, p.numel(), 0) for n, p in model.named_parameters()}
-    from hybridshard.state.planner import replica_part
 
     out = {}
     for unit in units(model):

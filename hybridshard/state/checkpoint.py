@@ -45,17 +45,17 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from hybridshard.runtime.engine import get_runtime
+from hybridshard.runtime.engine import get_engine
 from hybridshard.state import optim as O
 from hybridshard.state.access import (
     check_idle, gather_slices, is_sharded, local_params, module_state_dict, param_ranges, units,
 )
+from hybridshard.runtime.trace.position import api_call
 from hybridshard.state.matching import check_model, check_state_size
-from hybridshard.state.planner import Piece, PieceLoadPlanner, PieceSavePlanner
+from hybridshard.state.pieces import Piece, PieceLoadPlanner, PieceSavePlanner
 from hybridshard.state.progress import ProgressWriter
 from hybridshard.state.reader import CheckedReader
 from hybridshard.state.trust import UnsafeCheckpointError, check_plain
-from hybridshard.runtime.position import api_call
 
 logger = logging.getLogger(__name__)
 
@@ -101,15 +101,15 @@ def _topology(model: nn.Module) -> dict[str, Any]:
     node = os.environ.get("HYBRIDSHARD_NODE_NAME") or socket.gethostname()
     if not is_sharded(model):
         return {"world_size": 1, "strategy": None, "nodes": [node], "units": []}
-    runtime = get_runtime(model)
+    engine = get_engine(model)
     nodes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, node)
     units = [
         {"name": u.name, "strategy": u.strategy.name, "shard_size": u.groups.shard_size,
          "replicate_size": u.groups.replicate_size, "numel": u.flat.layout.numel}
-        for u in runtime.units
+        for u in engine.units
     ]
-    return {"world_size": dist.get_world_size(), "strategy": runtime.strategy.name, "nodes": nodes, "units": units}
+    return {"world_size": dist.get_world_size(), "strategy": engine.strategy.name, "nodes": nodes, "units": units}
 
 
 # -- save ------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch.nn as nn
 from hybridshard.state.access import (
     check_idle, gather_unit, holds_rank0, is_sharded, local_params, owned_to_shard, param_ranges, units,
 )
-from hybridshard.runtime.position import api_call
+from hybridshard.runtime.trace.position import api_call
 
 logger = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from hybridshard.runtime import collectives as C
-from hybridshard.runtime.position import api_call
+from hybridshard.runtime.comm import collectives as C
+from hybridshard.runtime.trace.position import api_call
 from hybridshard.state.access import check_idle, is_sharded, module_state_dict, units
 from hybridshard.state.full import param_keys
 

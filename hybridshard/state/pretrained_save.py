@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hybridshard.runtime.position import api_call
+from hybridshard.runtime.trace.position import api_call
 from hybridshard.state.access import (
     check_idle, gather_unit, holds_rank0, is_sharded, master_shard, module_state_dict, units,
 )

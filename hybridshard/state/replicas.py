@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hybridshard.runtime import collectives as C
+from hybridshard.runtime.comm import collectives as C
+from hybridshard.runtime.trace.position import api_call
 from hybridshard.state.access import check_idle, units
 from hybridshard.topology.groups import group_name
-from hybridshard.runtime.position import api_call
 
 logger = logging.getLogger(__name__)
 

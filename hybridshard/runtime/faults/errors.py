@@ -1,0 +1,189 @@
+"""Faults between ranks: every error says first which rank did what, then the details.
+
+[Note: naming the lost rank]
+When a rank dies (killed, or raised and exited), its peers' pending collective fails: at once with
+gloo ("connection reset by peer"), after the process group's timeout with NCCL or when the rank is
+alive but elsewhere. The backend's message names an address at best. So a rank whose collective
+failed reads where every rank is from the job's store (see [Note: heartbeats] in
+:mod:`hybridshard.runtime.faults.peers`) and builds its error from what they say, cause first:
+
+- a rank that raised (one of the runtime's errors, :func:`announce`, or any uncaught exception, see
+  :mod:`hybridshard.runtime.faults.exits`): ``rank 1 raised ValueError: a bad batch``;
+- a rank that finished its training and left: ``rank 1 finished after 4 steps and left ...``;
+- ranks that answer nothing: ``rank 1 was lost (killed, crashed or hung ...)``;
+- every rank alive: the ranks issued different collectives, or the network failed.
+
+The first line says that; then every rank's answer, one line each; then what to do; the backend's
+own text comes last. All of this runs on the failure path only. When workers can restart, the store
+lives in rank 0's process (see [Note: restarts] in hybridshard/launcher/settings.py); if rank 0 is
+the lost one, nothing can be read and the error says so instead of naming every rank.
+
+[Note: a stuck collective with a lost peer]
+Some failures raise nothing where the collective was issued. On NCCL ``wait()`` returns at once and
+a collective whose peer died or hung stays queued on the device until the process group's timeout
+(10 minutes by default), when NCCL's own watchdog stops the process with an address at best (see
+[Note: NCCL faults] in hybridshard/launcher/settings.py); on gloo a peer that hangs without closing
+its sockets (a frozen node, a stopped process) holds the others just as long. So the runtime's
+watchdog thread (:mod:`hybridshard.runtime.faults.watchdog`) looks at every collective of this rank still
+in flight after ``HYBRIDSHARD_FAULT_SECONDS`` (60 by default; 0 turns it off) and asks every rank
+where it is, once per collective. When every rank of the collective's group beats, nothing
+happens (a slow collective, or a peer busy elsewhere: the hang report comes later). When one of
+them raised, left, or its heartbeat stood still twice (3 s, then 9 s more), the rank logs the same message a
+failing collective raises (cause first, every rank's answer, what to do), publishes that it failed,
+and stops with status 1: the launcher then stops or restarts the job, minutes before the timeout,
+and every rank's log names the lost one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from hybridshard.runtime.faults import peers
+from hybridshard.runtime.faults.peers import table
+from hybridshard.runtime.trace.position import current_where
+from hybridshard.runtime.faults.rank_state import current
+from hybridshard.topology.groups import group_ranks
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CollectiveError", "announce", "collective_failed", "first_line", "peers_gone", "stop_now",
+           "write_error_file"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: the consequence of what another rank did (the message says what)."""
+
+_RESTART = ("The job's collectives are out of step and it cannot continue: restart it (hybridshard launch "
+            "--max-restarts N restarts every rank) and resume from the last checkpoint.")
+
+
+def first_line(err: BaseException | str) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else (type(err).__name__ if isinstance(err, BaseException) else "")
+
+
+def announce(error: BaseException) -> None:
+    """Tell the other ranks that this rank raised ``error`` (before raising it), so that their failing
+    collectives name the cause: ``rank 1 raised ValueError: ...``. A :class:`CollectiveError` is a
+    consequence, not a cause: it is published as this rank having failed."""
+    rank = peers.identity()[0]
+    if isinstance(error, CollectiveError):
+        peers.publish("failed", f"rank {rank} failed too: {first_line(error)}")
+    else:
+        peers.publish("raised", f"rank {rank} raised {type(error).__name__}: {first_line(error)}")
+
+
+def collective_failed(kind: str, group_label: str, group: dist.ProcessGroup | None, err: BaseException) -> CollectiveError:
+    """The error to raise when ``kind`` on ``group`` failed with ``err``; see [Note: naming the lost rank]."""
+    me, ranks, where = dist.get_rank(), group_ranks(group), current_where().describe()
+    mine = f"{kind} on the {group_label} group (ranks {peers.ranks_text(ranks)})"
+    reports = peers.ask_everyone({"state": "failed", "text": f"rank {me}: {mine} failed ({where})",
+                                  "ranks": ranks, "call": current_where().call})
+    if reports is None:
+        host = ("rank 0's process, so rank 0 is probably the lost one"
+                if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False" else "the rendezvous host")
+        cause = (f"rank {me}: {mine} failed ({where}), and the job's store could not be reached to learn "
+                 f"why; the store lives in {host}.")
+        return CollectiveError(f"{cause}\n{_RESTART}\nbackend: {first_line(err)}")
+    cause = _cause(me, mine, where, reports, peers.REPORT_SECONDS) or (
+        f"rank {me}: {mine} failed ({where}) while every rank is alive: the ranks issued different "
+        "collectives (a different number of forwards/backwards or no_sync blocks, or a collective on "
+        "some ranks only; HYBRIDSHARD_DEBUG=1 checks each one), or the network failed.")
+    return CollectiveError(f"{cause}\nwhere every rank is:\n{table(reports)}\n{_RESTART}\nbackend: {first_line(err)}")
+
+
+def _cause(me: int, mine: str, where: str, reports: list[peers.Report], seconds: float) -> str | None:
+    """The first line's cause: a rank that raised, left, or was lost; ``None`` when every rank is alive."""
+    raised = [r for r in reports if r.state == "raised"]
+    done = [r for r in reports if r.state == "done"]
+    lost = [r.rank for r in reports if r.state == "lost"]
+    if raised:
+        return f"{raised[0].text}; so {mine} failed on rank {me} ({where})."
+    if done:
+        return (f"{done[0].text} and left, while rank {me} was still training ({where}): the ranks ran "
+                f"different numbers of steps, and {mine} failed.")
+    if lost:
+        names = ", ".join(map(str, lost)) if len(lost) <= 16 else f"{', '.join(map(str, lost[:16]))} and {len(lost) - 16} more"
+        return (f"rank{'s' if len(lost) > 1 else ''} {names} "
+                f"{'were' if len(lost) > 1 else 'was'} lost (killed, crashed or hung: no answer within "
+                f"{seconds:.0f}s); so {mine} failed on rank {me} ({where}).")
+    return None
+
+
+_GONE = ("raised", "failed", "done", "lost")
+
+
+def peers_gone(kind: str, group_label: str, ranks: list[int], where: str, in_flight: float,
+               mine: dict[str, Any], while_waiting: Callable[[], None] | None = None) -> str | None:
+    """The message to stop with when this rank's ``kind`` has been in flight ``in_flight`` seconds and a
+    rank of its group raised, left or is lost; ``None`` while every rank of the group is alive (see
+    [Note: a stuck collective with a lost peer]). ``mine`` is this rank's answer to the ask; ``while_waiting``
+    as in :func:`hybridshard.runtime.faults.peers.ask_everyone`."""
+    me = peers.identity()[0]
+    reports: list[peers.Report] | None = None
+    seconds = peers.REPORT_SECONDS
+    group = set(ranks)
+    for seconds in (peers.REPORT_SECONDS, 3 * peers.REPORT_SECONDS):  # a silent rank is asked twice
+        # The first look decodes only the ranks that are gone: the common case (nobody) stays cheap.
+        brief = seconds == peers.REPORT_SECONDS
+        reports = peers.ask_everyone(mine, seconds=seconds, while_waiting=while_waiting, brief=brief)
+        if reports is None:
+            return None
+        gone = [r for r in reports if r.rank in group and r.rank != me and r.state in _GONE]
+        if not gone:
+            return None
+        if any(r.state != "lost" for r in gone):
+            if brief:  # it said so itself: nothing to confirm, but the message shows every rank
+                reports = peers.ask_everyone(mine, seconds=seconds, while_waiting=while_waiting)
+            break
+    assert reports is not None
+    text = f"{kind} on the {group_label} group (ranks {peers.ranks_text(ranks)})"
+    cause = _cause(me, text, where, reports, seconds) or f"rank {me}: {text} cannot complete ({where})."
+    return (f"{cause}\nwhere every rank is:\n{table(reports)}\nThe {kind} was still in flight after "
+            f"{in_flight:.0f}s (HYBRIDSHARD_FAULT_SECONDS), so rank {me} stops now rather than at the process "
+            f"group's timeout.\n{_RESTART}")
+
+
+def stop_now(status: int = 1) -> None:
+    """End the process at once with ``status``, its output flushed: the job cannot go on and waiting
+    for the backend's timeout would only hide why. A rank of the scale harness is stopped by its
+    plane's ``on_stop`` instead (see [Note: one control plane per rank] in
+    :mod:`hybridshard.runtime.faults.rank_state`)."""
+    on_stop = current().on_stop
+    if on_stop is not None:
+        on_stop(status)
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(status)
+
+
+def write_error_file(error: BaseException, *, consequence: bool) -> None:
+    """Write torchrun's error file for this worker (``TORCHELASTIC_ERROR_FILE``, the format of torch's
+    ``@record``) for the launcher's summary, adding ``extraInfo.hybridshard``: a float time and whether
+    ``error`` is a consequence of another rank's failure (see [Note: run directory] in
+    :mod:`hybridshard.launcher.runlog`). Nothing when there is no such file to write or one exists."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    now = time.time()
+    stack = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    data = {"message": {"message": f"{type(error).__name__}: {error}", "extraInfo": {
+        "py_callstack": stack, "timestamp": str(int(now)), "hybridshard": {"time": now, "consequence": consequence}}}}
+    try:
+        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+            json.dump(data, f)
+        os.replace(f"{path}.{os.getpid()}.tmp", path)
+    except OSError:
+        logger.debug("could not write the error file %s", path, exc_info=True)

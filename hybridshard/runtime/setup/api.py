@@ -1,0 +1,320 @@
+"""``shard``: turn a model into flat-parameter units over the shard and replicate groups, in place."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hybridshard.options import CheckConfig, CommConfig, InitConfig, split_keywords
+from hybridshard.runtime.comm import agreement
+from hybridshard.runtime.comm.executors.select import resolve_executor
+from hybridshard.runtime.engine import Engine, holds_sharded_module
+from hybridshard.runtime.faults import exits, watchdog
+from hybridshard.runtime.grads.compression import ReplicateCompressor, parse_compression
+from hybridshard.runtime.optim.replica_slices import SliceSync
+from hybridshard.runtime.setup.build import broadcast_from_rank0, build_unit, distinct, rank0_initial_seed, rank0_shard_index
+from hybridshard.runtime.setup.compile import compile_units, parse_compile
+from hybridshard.runtime.setup.deferred_init import DeferredInit, has_meta
+from hybridshard.runtime.setup.model_check import INIT_SEED, check_devices, check_same_model
+from hybridshard.runtime.setup.state_guard import guard_state_dict
+from hybridshard.runtime.units.offload import CPUOffload, parse_offload
+from hybridshard.runtime.units.strategy import MixedPrecision, ShardingStrategy
+from hybridshard.runtime.units.wrap import WrapPolicy, choose_units, split_frozen as split_frozen_parts
+from hybridshard.topology.groups import ShardGroups, init_groups, name_group
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["shard"]
+
+
+def shard(
+    model: nn.Module,
+    *,
+    strategy: ShardingStrategy | str = ShardingStrategy.HYBRID_SHARD,
+    groups: ShardGroups | None = None,
+    mesh: DeviceMesh | None = None,
+    wrap: WrapPolicy = None,
+    mixed_precision: MixedPrecision | None = None,
+    device: torch.device | str | None = None,
+    offload: CPUOffload | bool | None = None,
+    comm: CommConfig | None = None,
+    checks: CheckConfig | None = None,
+    init: InitConfig | None = None,
+    split_frozen: float | None = 0.5,
+    shard_optimizer_across_replicas: bool = False,
+    compile: bool | dict[str, Any] = False,
+    **keywords: Any,
+) -> nn.Module:
+    """Shard ``model`` in place and return it.
+
+    ``comm`` (:class:`~hybridshard.CommConfig`: ``prefetch``, ``overlap_grads``, ``replicate_compression``,
+    ``executor``), ``checks`` (:class:`~hybridshard.CheckConfig`: ``check_steps``, ``debug``) and ``init``
+    (:class:`~hybridshard.InitConfig`: ``sync_module_states``, ``param_init_fn``, ``init_seed``) group the
+    options below; each field may also be passed as a keyword of its own name, as before (docs/api.md).
+    :func:`hybridshard.shard` also extends the model's class with :class:`hybridshard.HybridShardModule`.
+
+    ``strategy`` applies to the root unit and to every unit the ``wrap`` policy gives no strategy
+    of its own (see :mod:`hybridshard.runtime.units.wrap` for per-unit strategies). Units with a hybrid strategy
+    use ``groups``, a :class:`hybridshard.ShardGroups`; ``None`` means :func:`hybridshard.init_groups`
+    when any unit is hybrid. The other units always use the default group (FULL_SHARD /
+    SHARD_GRAD_OP shard over the whole job, NO_SHARD replicates over it), even when ``groups`` is
+    given. ``mesh`` is the alternative to ``groups``: a ``DeviceMesh``, 2-D with dims
+    ``("replicate", "shard")`` as FSDP2 takes it, or 1-D to shard over it (see [Note: meshes in] in
+    :mod:`hybridshard.topology.groups`); pass one of the two. Collective over the default group: every rank calls
+    it with the same model structure and arguments.
+
+    ``check_steps`` (on by default) compares every rank's step before each forward and backward, so
+    ranks that run different forwards/backwards, ``no_sync`` blocks or unit orders raise a
+    ``ValueError`` on every rank before any gradient is reduced; it costs two all-gathers of a few
+    integers per step (see [Note: step check] in :mod:`hybridshard.runtime.comm.agreement`).
+    ``debug=True`` (or ``HYBRIDSHARD_DEBUG=1``) also checks every collective, naming the unit and
+    collective where ranks part; it costs one tiny all-gather per collective.
+
+    Speed: ``prefetch`` is how many units are gathered ahead of the one computing, in forward and
+    backward (0 turns it off; see :mod:`hybridshard.runtime.units.prefetch`). ``overlap_grads`` leaves gradient
+    collectives running while backward goes on (see :mod:`hybridshard.runtime.comm.executors.threads`); results are the same
+    either way. ``replicate_compression="bf16"`` or ``"int8"`` quantizes the hybrid units' all-reduce
+    across the replicate group (with error feedback; shard-group traffic stays exact), halving or
+    quartering the inter-node bytes at some gradient precision; see :mod:`hybridshard.runtime.grads.compression`.
+
+    ``split_frozen``: a unit whose frozen parameters hold at least this fraction of its elements (and
+    that has trainable ones too) becomes two units over the same module, so that only the trainable
+    part builds and reduces a gradient (0 splits every unit that mixes the two, ``None`` none); see
+    [Note: frozen parts] in :mod:`hybridshard.runtime.units.wrap`.
+
+    ``executor``: who issues the collectives; ``"auto"`` (streams on CUDA, a communication thread
+    on CPU), ``"threads"``, ``"streams"`` (on CPU too, with no-op streams, to check its issuing
+    rules) or ``"emulate"`` (CPU: the stream executor on an emulated GPU that queues side streams,
+    follows NCCL's rules and fails a step that frees a buffer a stream still needs; see
+    [Note: emulated device] in :mod:`hybridshard.runtime.comm.executors.emulate`); ``None`` reads
+    ``HYBRIDSHARD_EXECUTOR``, else ``"auto"``. See
+    :mod:`hybridshard.runtime.comm.executors.select` and [Note: stream executor] in :mod:`hybridshard.runtime.comm.executors.streams`.
+
+    ``offload=hybridshard.CPUOffload()`` keeps the sharded parameters, their gradients and so the
+    optimizer state in (pinned) CPU memory, and the optimizer steps on the CPU; only gathered buffers
+    use the compute device. See [Note: CPU offload] in :mod:`hybridshard.runtime.units.offload`.
+
+    A model built under ``torch.device("meta")`` is materialised here one unit at a time: each rank
+    allocates only its shards (plus one unit while it is initialised), calling ``param_init_fn(module)``
+    or else ``module.reset_parameters()`` on each module, with the generator seeded from ``init_seed``
+    (default: rank 0's ``torch.initial_seed()``) and the module's name, so the values do not depend on the
+    topology (see [Note: deferred init] in :mod:`hybridshard.runtime.setup.deferred_init`).
+
+    ``shard_optimizer_across_replicas=True`` (hybrid strategies; "HSDP with the optimizer sharded
+    globally") keeps parameters for compute sharded inside the shard group but shards the optimizer
+    over the whole job: between steps each parameter is this rank's ``1 / (S * R)`` slice, so the
+    optimizer built after ``shard`` keeps state (and steps) for that slice only. Gradients are
+    reduce-scattered across the replicate group instead of all-reduced, and ``optimizer.step()``
+    all-gathers the updated slices across it (an optimizer step post-hook), at the same inter-node
+    bytes; after changing parameters other than through ``optimizer.step()``, call
+    :func:`hybridshard.gather_updated_params`. Under mixed precision the fp32 master is kept for the
+    slice only, the shard in ``param_dtype``. See [Note: optimizer state sharded across replicas] in
+    :mod:`hybridshard.runtime.optim.replica_slices`.
+
+    ``compile=True`` (or a dict of ``torch.compile`` keyword arguments, e.g. ``{"mode": "max-autotune"}``)
+    compiles the forward of each unit whose module holds no other unit (the blocks) after sharding, with the
+    runtime's hooks outside the compiled region; a module that holds other units (the root) stays eager and
+    calls the compiled blocks. ``torch.compile(model)`` of the whole sharded model is not supported. See
+    [Note: compiling units] in :mod:`hybridshard.runtime.setup.compile`.
+
+    After ``shard``, ``model.state_dict()`` and ``load_state_dict()`` raise a ``ValueError`` naming
+    :func:`hybridshard.full_state_dict` and the other calls that do the job (see [Note: a state dict
+    that cannot lie] in :mod:`hybridshard.runtime.setup.state_guard`).
+
+    After ``shard``, a conversion that would change a parameter (``model.to(torch.float16)``,
+    ``.half()``, ``.cuda()`` ...) raises a ``ValueError``; one that changes nothing works as before
+    (see [Note: converting a sharded model] in :mod:`hybridshard.runtime.engine`).
+    """
+    configs = split_keywords({"comm": comm, "checks": checks, "init": init}, keywords)
+    comm, checks, init = configs["comm"], configs["checks"], configs["init"]
+    prefetch, overlap_grads, replicate_compression, executor = (
+        comm.prefetch, comm.overlap_grads, comm.replicate_compression, comm.executor)
+    check_steps, debug = checks.check_steps, checks.debug
+    sync_module_states, param_init_fn, init_seed = init.sync_module_states, init.param_init_fn, init.init_seed
+    if split_frozen is not None and (isinstance(split_frozen, bool) or not isinstance(split_frozen, (int, float))
+                                     or not 0 <= split_frozen <= 1):
+        raise ValueError(
+            f"split_frozen must be a fraction between 0 and 1 (of a unit's elements that frozen parameters must "
+            f"hold for the unit to be split), or None to split no unit; got {split_frozen!r}"
+        )
+    compile_options = parse_compile(compile)
+    compressor = None
+    if replicate_compression is not None:
+        mode = parse_compression(replicate_compression.value)
+        compressor = ReplicateCompressor(mode) if mode is not None else None
+    if debug is not None:
+        agreement.set_debug(debug)
+    if not dist.is_initialized():
+        raise RuntimeError("shard needs an initialised default process group: call init_process_group() first")
+    if holds_sharded_module(model):
+        raise ValueError(
+            f"{type(model).__name__} (or one of its submodules) is already sharded; call shard() once, "
+            "on the whole model"
+        )
+    strategy = ShardingStrategy.parse(strategy)
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise ValueError(f"mixed_precision must be a hybridshard.MixedPrecision or None; got {mixed_precision!r}")
+    _check_low_precision_grads(mixed_precision, torch.Tensor)
+    specs = split_frozen_parts(choose_units(model, wrap), split_frozen)
+    strategies = [spec.strategy or strategy for spec in specs]
+    _check_optimizer_slicing(shard_optimizer_across_replicas, strategy, strategies, offload)
+    by_strategy, groups = _resolve_groups(strategies, groups, mesh)
+    device = _resolve_device(device, groups)
+    executor_kind = resolve_executor(None if executor is None else executor.value, device)
+    offload_policy = parse_offload(offload)
+    check_devices(model, device)
+    plan = [(spec.name or "<root>", s.name) for spec, s in zip(specs, strategies)]
+    deferred = None
+    if has_meta(model):
+        deferred = DeferredInit(model, device, param_init_fn)  # raises before any collective if it cannot init
+        if init_seed is not None:
+            plan.append((INIT_SEED, str(int(init_seed))))
+    elif param_init_fn is not None:
+        raise ValueError(
+            f"param_init_fn was given, but no parameter or buffer of {type(model).__name__} is on the meta "
+            "device; build the model under torch.device('meta') to initialise it in shard(), or drop param_init_fn"
+        )
+    check_same_model(model, values=not sync_module_states, plan=plan)  # meta-ness is part of the digest
+    if deferred is not None:  # every rank is here: the same model, meta alike
+        deferred.seed = rank0_initial_seed() if init_seed is None else int(init_seed)
+
+    engine = Engine(model, strategy, mixed_precision, device, prefetch=prefetch, overlap_grads=overlap_grads,
+                      compressor=compressor, check_steps=check_steps, executor=executor_kind,
+                      offload=offload_policy)
+    slice_optimizer = {s: shard_optimizer_across_replicas and s.is_hybrid and by_strategy[s].replicate_size > 1
+                       for s in set(strategies)}
+    rank0_index: dict[int, int] = {}
+    if sync_module_states:
+        for used in distinct(by_strategy[s] for s in strategies):
+            rank0_index[id(used)] = rank0_shard_index(used)
+    units = []
+    for i, (spec, s) in enumerate(zip(specs, strategies)):
+        if deferred is not None and spec.part_of is None:  # a frozen part came with its trainable part
+            parts = [j for j in range(i, len(specs)) if specs[j].module is spec.module]
+            done = deferred.materialize_specs([specs[j] for j in parts], (u.module for u in specs))
+            for j, new_spec in zip(parts, done):
+                specs[j] = new_spec
+            spec = specs[i]
+        units.append(
+            build_unit(spec, s, by_strategy[s], mixed_precision, device, rank0_index.get(id(by_strategy[s])), engine,
+                       slice_optimizer=slice_optimizer[s])
+        )
+        if deferred is not None and (i + 1 == len(specs) or specs[i + 1].part_of is None):
+            deferred.release()  # the unit (and its frozen part) hold their shards: one unit at a time
+    unit_modules = {id(u.module) for u in units}
+    for i, spec in enumerate(specs):
+        if spec.part_of is not None:  # right after its trainable part; see [Note: frozen parts]
+            holds = any(id(m) in unit_modules for m in spec.module.modules() if m is not spec.module)
+            units[i - 1].add_frozen_part(units[i], is_root=i == 1, holds_units=holds)
+    root_groups = by_strategy[strategies[0]]
+    for buf in model.buffers():
+        buf.data = buf.data.to(device)
+        if sync_module_states:
+            broadcast_from_rank0(buf.data, root_groups, rank0_index[id(root_groups)])
+    engine.attach(units)
+    if any(u.replica_slice is not None for u in units):
+        engine.replica_slices = SliceSync(units)
+    engine.guard_conversions()
+    guard_state_dict(model)
+    if compile_options is not None:
+        compile_units(units, compile_options)
+    watchdog.start()
+    exits.install()
+    if logger.isEnabledFor(logging.INFO):
+        per_strategy = Counter(f"{u.strategy.name} ({u.groups.shard_size}x{u.groups.replicate_size})" for u in units)
+        logger.info("sharded %s: %d units on %s: %s", type(model).__name__, len(units), device, dict(per_strategy))
+    return model
+
+
+def _check_optimizer_slicing(on: bool, strategy: ShardingStrategy, strategies: Sequence[ShardingStrategy],
+                             offload: Any) -> None:
+    """``shard_optimizer_across_replicas`` needs a hybrid strategy (the replicas to shard over) and no offload."""
+    if not isinstance(on, bool):
+        raise ValueError(f"shard_optimizer_across_replicas must be True or False; got {on!r}")
+    if not on:
+        return
+    if not strategy.is_hybrid:
+        raise ValueError(
+            f"shard_optimizer_across_replicas=True expects a hybrid strategy (HYBRID_SHARD or HYBRID_SHARD_ZERO2), "
+            f"found strategy={strategy.name}; use strategy='HYBRID_SHARD', or drop the option "
+            f"({strategy.name} has no replicate group to shard the optimizer over)"
+        )
+    if offload is not None and offload is not False:
+        raise ValueError(
+            "shard_optimizer_across_replicas=True expects the master shards on the compute device, found "
+            f"offload={offload!r}; drop offload= (the slices already divide optimizer memory by the replica count)"
+        )
+
+
+def _check_low_precision_grads(mp: MixedPrecision | None, tensor_type: type) -> None:
+    """``keep_low_precision_grads`` needs ``Tensor.grad_dtype``: a ``.grad`` whose dtype differs from its parameter's."""
+    if mp is None or not mp.keep_low_precision_grads or mp.param_dtype is None:
+        return
+    if not hasattr(tensor_type, "grad_dtype"):
+        raise ValueError(
+            "MixedPrecision(keep_low_precision_grads=True) leaves each .grad in param_dtype next to a "
+            f"full-precision parameter, which needs Tensor.grad_dtype; torch {torch.__version__} lacks it. "
+            "Upgrade torch, or use keep_low_precision_grads=False"
+        )
+
+
+def _resolve_groups(
+    strategies: Sequence[ShardingStrategy], groups: ShardGroups | None, mesh: DeviceMesh | None = None
+) -> tuple[dict[ShardingStrategy, ShardGroups], ShardGroups | None]:
+    """The :class:`ShardGroups` of each strategy; strategies that communicate alike share one object.
+
+    Hybrid strategies use ``groups`` (or ``mesh``; :func:`init_groups` when neither is given); the
+    others always use the whole job (see :func:`hybridshard.shard`).
+    """
+    world = dist.get_world_size()
+    by_strategy: dict[ShardingStrategy, ShardGroups] = {}
+    hybrid: ShardGroups | None = None
+    if mesh is not None:
+        if groups is not None:
+            raise ValueError(
+                "pass either groups= or mesh=, not both; found both. Keep groups=init_groups() or "
+                "mesh=<DeviceMesh ('replicate', 'shard')> (init_groups().mesh is the same grid as a mesh)"
+            )
+        hybrid = ShardGroups.from_mesh(mesh)
+    elif any(s.is_hybrid for s in strategies):
+        hybrid = init_groups() if groups is None else groups
+        if not isinstance(hybrid, ShardGroups):
+            raise ValueError(f"groups must be a hybridshard.ShardGroups (from init_groups()); got {groups!r}")
+        if hybrid.world_size != world:
+            raise ValueError(
+                f"shard group size {hybrid.shard_size} x replicate group size {hybrid.replicate_size} = "
+                f"{hybrid.world_size}, but the job has {world} ranks; build the groups with "
+                "hybridshard.init_groups() (or a plan whose sizes multiply to the world size)"
+            )
+        for group, name in ((hybrid.shard, "shard"), (hybrid.replicate, "replicate")):
+            if group is not None:
+                name_group(group, name)
+    if hybrid is not None:
+        by_strategy[ShardingStrategy.HYBRID_SHARD] = by_strategy[ShardingStrategy.HYBRID_SHARD_ZERO2] = hybrid
+    by_strategy[ShardingStrategy.NO_SHARD] = ShardGroups.over_world(replicate=True)
+    by_strategy[ShardingStrategy.FULL_SHARD] = by_strategy[ShardingStrategy.SHARD_GRAD_OP] = ShardGroups.over_world()
+    return by_strategy, hybrid if hybrid is not None else groups
+
+
+def _resolve_device(device: torch.device | str | None, groups: ShardGroups | None) -> torch.device:
+    if device is None:
+        found = getattr(groups, "device", None)
+        if found is not None:
+            return torch.device(found)
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
