@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from hybridshard.runtime import faults, peers
+from hybridshard.runtime import causes, faults, peers
 from hybridshard.runtime.position import where
 from hybridshard.runtime.watchdog import my_status
 
@@ -70,6 +70,7 @@ def _publish_raised(error: BaseException) -> None:
     faults.write_error_file(error, consequence=isinstance(error, faults.CollectiveError))
     try:
         faults.announce(error)
+        causes.wait_until_seen()  # before the exit can take the store away: [Note: keeping the causes]
     except Exception:  # noqa: BLE001 - never hide the user's own error
         logger.debug("could not publish the uncaught exception", exc_info=True)
 

@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from hybridshard.runtime import peers
+from hybridshard.runtime import causes, peers
 from hybridshard.runtime.peers import table
 from hybridshard.runtime.position import current_where
 from hybridshard.topology.groups import group_ranks
@@ -60,7 +60,7 @@ __all__ = ["CollectiveError", "announce", "collective_failed", "first_line", "pe
 class CollectiveError(RuntimeError):
     """A collective failed: the consequence of what another rank did (the message says what)."""
 
-_RESTART = ("The job's collectives are out of step and it cannot continue: restart it (hybridshard launch "
+RESTART = _RESTART = ("The job's collectives are out of step and it cannot continue: restart it (hybridshard launch "
             "--max-restarts N restarts every rank) and resume from the last checkpoint.")
 
 
@@ -77,7 +77,9 @@ def announce(error: BaseException) -> None:
     if isinstance(error, CollectiveError):
         peers.publish("failed", f"rank {rank} failed too: {first_line(error)}")
     else:
-        peers.publish("raised", f"rank {rank} raised {type(error).__name__}: {first_line(error)}")
+        text = f"rank {rank} raised {type(error).__name__}: {first_line(error)}"
+        peers.publish("raised", text)
+        causes.publish(text)  # see [Note: keeping the causes] in hybridshard.runtime.causes
 
 
 def collective_failed(kind: str, group_label: str, group: dist.ProcessGroup | None, err: BaseException) -> CollectiveError:
@@ -91,6 +93,10 @@ def collective_failed(kind: str, group_label: str, group: dist.ProcessGroup | No
                 if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False" else "the rendezvous host")
         cause = (f"rank {me}: {mine} failed ({where}), and the job's store could not be reached to learn "
                  f"why; the store lives in {host}.")
+        kept = causes.kept()  # read before the store went: see [Note: keeping the causes]
+        if kept:
+            cause = (f"{next(iter(kept.values()))}; so {mine} failed on rank {me} ({where}) (kept by this rank: the "
+                     f"job's store could not be reached after that; it lives in {host}).")
         return CollectiveError(f"{cause}\n{_RESTART}\nbackend: {first_line(err)}")
     cause = _cause(me, mine, where, reports, peers.REPORT_SECONDS) or (
         f"rank {me}: {mine} failed ({where}) while every rank is alive: the ranks issued different "

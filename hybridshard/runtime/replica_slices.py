@@ -63,6 +63,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hybridshard.runtime import collectives as C
+from hybridshard.runtime.position import api_call
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +254,7 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
         sync.after_step(optimizer)
 
 
+@api_call
 def gather_updated_params(model: nn.Module) -> None:
     """All-gather every replica's slice into the master shards of a model sharded with
     ``shard_optimizer_across_replicas=True``, and wait for it.

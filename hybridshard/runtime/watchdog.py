@@ -34,7 +34,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hybridshard.runtime import faults, peers
+from hybridshard.runtime import causes, faults, peers
+from hybridshard.runtime.mismatch import MismatchWatch, mismatch_seconds
 from hybridshard.runtime.position import Where, current_where, snapshot
 from hybridshard.topology.groups import group_ranks
 
@@ -152,7 +153,7 @@ def my_status() -> dict[str, Any]:
 
 def _poll_seconds() -> float:
     """About once a second; faster when a limit is only seconds (tests)."""
-    limits = [x for x in (hang_seconds(), fault_seconds()) if x > 0]
+    limits = [x for x in (hang_seconds(), fault_seconds(), mismatch_seconds()) if x > 0]
     return min(1.0, max(0.05, min(limits, default=4.0) / 4))
 
 
@@ -171,10 +172,13 @@ def _answer_asks() -> None:
 
 
 def _loop() -> None:
+    main = MismatchWatch()  # see [Note: entry point on some ranks only] in hybridshard.runtime.mismatch
     while not _STOP.wait(_poll_seconds()):
         if not dist.is_initialized():
             continue
         try:
+            pending = _prune()
+            causes.poll_if_waiting(main.poll(pending), pending)  # see [Note: keeping the causes]
             _answer_asks()
             _report_if_stuck()
             _stop_if_peers_gone()
