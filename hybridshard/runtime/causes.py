@@ -11,8 +11,8 @@ reads the counter (one store op) on each poll while the main thread has been blo
 collective, or a collective of the runtime in flight, for :data:`WATCH_AFTER` seconds: exactly when a
 peer's failure leaves it waiting, never on a step whose collectives return quickly. It keeps every
 new cause it finds and acknowledges it under ``hybridshard/cause/<n>/seen``. A process dying of an
-uncaught exception waits, after publishing, until every other rank acknowledged it or
-:func:`wait_seconds` passed (``HYBRIDSHARD_CAUSE_WAIT``, 5 by default), so that its peers, blocked
+uncaught exception waits, after publishing, until every other rank acknowledged it (or published
+a cause of its own: it is dying too) or :func:`wait_seconds` passed (``HYBRIDSHARD_CAUSE_WAIT``, 5 by default), so that its peers, blocked
 on it, have read it before its exit takes the store away. The failing collectives then name the
 kept cause when the store cannot be reached.
 """
@@ -107,7 +107,11 @@ def wait_until_seen() -> None:
         return
     deadline = time.monotonic() + wait_seconds()
     try:
-        while time.monotonic() < deadline and int(s.add(f"{_CAUSE.format(n)}/seen", 0)) < world - 1:
+        while time.monotonic() < deadline:
+            # A rank that published a cause of its own is dying too: it reads nothing more.
+            others_dying = int(s.add(_COUNT, 0)) - 1
+            if int(s.add(f"{_CAUSE.format(n)}/seen", 0)) + others_dying >= world - 1:
+                return
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store went first: nothing more to wait for
         logger.debug("could not wait for the cause to be read", exc_info=True)
