@@ -3,8 +3,9 @@
 Trains the runtime tests' model for one step, then, as the scenario says:
 
 - ``entry_alone``: rank 0 calls ``hs.full_state_dict`` alone, then every rank calls ``dist.barrier()``;
-- ``late``: rank 3 sleeps ``LATE_SECONDS`` outside any collective before the barrier, ``ROUNDS`` times,
-  then every rank trains one more step: nothing may be reported;
+- ``late``: ``ROUNDS`` times, rank 3 sleeps ``LATE_SECONDS`` outside any collective before
+  ``hs.full_state_dict`` and again before a barrier, which every rank calls; then every rank trains
+  one more step: nothing may be reported;
 - ``host_raises``: rank 0 hosts the job's store (``MASTER_PORT``, no agent store) and raises at step 1
   before its forward, so its exit takes the store down while the others wait in the forward.
 
@@ -53,7 +54,10 @@ def main() -> None:
                 for _ in range(int(os.environ.get("ROUNDS", "1"))):
                     if rank == 3:
                         time.sleep(float(os.environ["LATE_SECONDS"]))  # late: outside any collective
-                    dist.barrier()
+                    hs.full_state_dict(model)  # the others wait inside it
+                    if rank == 3:
+                        time.sleep(float(os.environ["LATE_SECONDS"]))
+                    dist.barrier()  # the others wait in the user's barrier
             if step == 1 and scenario == "host_raises" and rank == 0:
                 raise ValueError("a bad batch on rank 0")
             RM.lm_loss(model(tokens), tokens).backward()
