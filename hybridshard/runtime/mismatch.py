@@ -61,7 +61,7 @@ def publish_seconds() -> float:
 
 def check_every() -> float:
     """Seconds between two readings of every rank's record while blocked past the limit."""
-    return max(0.5, min(5.0, mismatch_seconds() / 6))
+    return max(1.0, min(5.0, mismatch_seconds() / 6))  # two watchdog polls at least: a rank that moved on clears its record
 
 
 def _record(state: Blocked) -> dict[str, Any]:
