@@ -51,10 +51,10 @@ def test_entry_point_called_on_one_rank_stops_every_rank_naming_it():
             assert r["code"] == 1, (rank, r["text"][-3000:])
             first = [line for line in r["text"].splitlines() if "must be called on every rank" in line]
             assert first, (rank, r["text"][-3000:])
-            assert re.match(r"full_state_dict must be called on every rank, but only rank 0 entered it \(entry point "
-                            r"call #1\), while ranks 1, 2, 3 are blocked in barrier at \S*mismatch_job\.py:\d+ \(main\), "
+            assert re.match(r"full_state_dict must be called on every rank, but only rank 0 entered it \(call #1\)"
+                            r", while ranks 1, 2, 3 are blocked in barrier at \S*mismatch_job\.py:\d+ \(main\), "
                             r"every rank for over 2s \(HYBRIDSHARD_MISMATCH_SECONDS\)", first[0]), first[0]
-            assert "rank 0: inside full_state_dict (entry point call #1 on this rank), blocked in all_gather" in r["text"]
+            assert "rank 0: inside full_state_dict (call #1 on this rank), blocked in all_gather" in r["text"]
             for other in (1, 2, 3):
                 assert re.search(rf"rank {other}: in no entry point of the package, blocked in barrier at "
                                  r"\S*mismatch_job\.py:\d+ \(main\)", r["text"]), r["text"][-3000:]
@@ -138,8 +138,8 @@ def test_mismatch_message_names_both_calls():
     records = list(_now({0: _record([["full_state_dict", 3]], call="all_gather on the shard group"),
                          1: _record([["save_checkpoint", 3]], call="all_gather_object", at="train.py:20 (main)")}).values())
     first = describe(1, records, 30.0).splitlines()[0]
-    assert first.startswith("full_state_dict must be called on every rank, but only rank 0 entered it (entry point "
-                            "call #3), while rank 1 is blocked in save_checkpoint (entry point call #3), "
+    assert first.startswith("full_state_dict must be called on every rank, but only rank 0 entered it ("
+                            "call #3), while rank 1 is blocked in save_checkpoint (call #3), "
                             "all_gather_object at train.py:20 (main), every rank for over 30s"), first
 
 

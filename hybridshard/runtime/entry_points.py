@@ -3,7 +3,7 @@
 Every public call that runs collectives on every rank of the job (``full_state_dict``,
 ``save_checkpoint``, ``check_replicas`` ...; the ones marked by
 :func:`hybridshard.runtime.position.api_call`) is *entered* here: the main thread's stack of calls,
-each with a per-rank sequence number (the ``n``-th entry on this rank). Entering costs a counter and
+each with a per-rank sequence number (this rank's ``n``-th call of that entry point). Entering costs a counter and
 a list append, nothing on the store.
 
 [Note: blocked in a collective]
@@ -25,7 +25,6 @@ c10d handle (its frame is the user's), which only leaves such a hang to the hang
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 import threading
@@ -49,14 +48,15 @@ class Entry:
 
     name: str
     seq: int
-    """This rank's ``seq``-th entry: the same on every rank when every rank calls the same entry points."""
+    """This rank's ``seq``-th call of ``name``: the same on every rank when every rank makes the same calls
+    (counted per name, so one call's count going astray leaves the others' alone)."""
 
     def describe(self) -> str:
-        return f"{self.name} (entry point call #{self.seq} on this rank)"
+        return f"{self.name} (call #{self.seq} on this rank)"
 
 
 _STACK: list[Entry] = []
-_COUNT = itertools.count(1)
+_COUNTS: dict[str, int] = {}
 
 
 def enter(name: str) -> Entry | None:
@@ -64,7 +64,8 @@ def enter(name: str) -> Entry | None:
     Other threads' calls are not recorded (only the main thread is watched)."""
     if threading.current_thread() is not _MAIN:
         return None
-    entry = Entry(name, next(_COUNT))
+    _COUNTS[name] = seq = _COUNTS.get(name, 0) + 1
+    entry = Entry(name, seq)
     _STACK.append(entry)
     return entry
 

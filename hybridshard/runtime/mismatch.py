@@ -151,7 +151,7 @@ def describe(me: int, records: list[dict[str, Any]], limit: float) -> str:
             elsewhere.setdefault(_short_call(records[r]), []).append(r)
     others = "; ".join(f"{_ranks(rs)} {'is' if len(rs) == 1 else 'are'} blocked in {where}"
                        for where, rs in elsewhere.items())
-    first = (f"{call[0]} must be called on every rank, but only {_ranks(inside)} entered it (entry point call "
+    first = (f"{call[0]} must be called on every rank, but only {_ranks(inside)} entered it (call "
              f"#{call[1]}), while {others}, every rank for over {limit:.0f}s (HYBRIDSHARD_MISMATCH_SECONDS): call "
              f"{call[0]} on every rank (not under `if rank == 0:`), in the same order as the other collectives.")
     rows = "\n".join(f"  rank {r}: {rec['text']}, for {time.time() - rec['since']:.0f}s" for r, rec in enumerate(records))
@@ -164,5 +164,5 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _short_call(record: dict[str, Any]) -> str:
-    entry = f"{record['entry'][0][0]} (entry point call #{record['entry'][0][1]}), " if record.get("entry") else ""
+    entry = f"{record['entry'][0][0]} (call #{record['entry'][0][1]}), " if record.get("entry") else ""
     return f"{entry}{record['call']} at {record['at']}"
