@@ -153,3 +153,18 @@ def test_every_public_collective_call_is_an_announced_entry_point():
                   "clip_grad_norm_", "gather_updated_params"]
     for name in collective:
         assert getattr(hs, name).__code__ is wrapper_code, f"hs.{name} is not announced as an entry point"
+
+
+def test_stuck_collective_names_a_kept_cause_when_the_store_is_gone(monkeypatch):
+    # On NCCL a collective whose peer died stays stuck; the fault check then finds the store gone too.
+    from hybridshard.runtime import causes, faults, peers
+
+    monkeypatch.setattr(peers, "store", lambda: None)
+    monkeypatch.setattr(peers, "identity", lambda: (2, 4))
+    assert faults.peers_gone("all_reduce", "replicate", [0, 2], "step 3", 61.0, {}) is None  # nothing kept
+    monkeypatch.setattr(causes, "_KEPT", {0: "rank 0 raised ValueError: a bad batch on rank 0"})
+    message = faults.peers_gone("all_reduce", "replicate", [0, 2], "step 3", 61.0, {})
+    assert message.splitlines()[0] == ("rank 0 raised ValueError: a bad batch on rank 0; so all_reduce on the "
+                                       "replicate group (ranks [0, 2]) cannot complete on rank 2 (step 3) (kept by "
+                                       "this rank: the job's store could not be reached after that)."), message
+    assert faults.peers_gone("all_reduce", "replicate", [1, 2], "step 3", 61.0, {}) is None  # rank 0 not in the group

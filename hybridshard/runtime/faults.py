@@ -137,7 +137,7 @@ def peers_gone(kind: str, group_label: str, ranks: list[int], where: str, in_fli
     for seconds in (peers.REPORT_SECONDS, 3 * peers.REPORT_SECONDS):  # a silent rank is asked twice
         reports = peers.ask_everyone(mine, seconds=seconds, while_waiting=while_waiting)
         if reports is None:
-            return None
+            return _kept_cause(me, kind, group_label, ranks, where, in_flight)
         gone = [r for r in reports if r.rank in ranks and r.rank != me and r.state in _GONE]
         if not gone:
             return None
@@ -149,6 +149,18 @@ def peers_gone(kind: str, group_label: str, ranks: list[int], where: str, in_fli
     return (f"{cause}\nwhere every rank is:\n{table(reports)}\nThe {kind} was still in flight after "
             f"{in_flight:.0f}s (HYBRIDSHARD_FAULT_SECONDS), so rank {me} stops now rather than at the process "
             f"group's timeout.\n{_RESTART}")
+
+
+def _kept_cause(me: int, kind: str, group_label: str, ranks: list[int], where: str, in_flight: float) -> str | None:
+    """:func:`peers_gone`'s message when the store is gone but a rank of the group raised before it went
+    (see [Note: keeping the causes] in :mod:`hybridshard.runtime.causes`); ``None`` without one."""
+    kept = {r: text for r, text in causes.kept().items() if r in ranks and r != me}
+    if not kept:
+        return None
+    return (f"{next(iter(kept.values()))}; so {kind} on the {group_label} group (ranks {ranks}) cannot complete on "
+            f"rank {me} ({where}) (kept by this rank: the job's store could not be reached after that).\nThe {kind} "
+            f"was still in flight after {in_flight:.0f}s (HYBRIDSHARD_FAULT_SECONDS), so rank {me} stops now rather "
+            f"than at the process group's timeout.\n{_RESTART}")
 
 
 def stop_now(status: int = 1) -> None:
