@@ -11,10 +11,11 @@ reads the counter (one store op) on each poll while the main thread has been blo
 collective, or a collective of the runtime in flight, for :data:`WATCH_AFTER` seconds: exactly when a
 peer's failure leaves it waiting, never on a step whose collectives return quickly. It keeps every
 new cause it finds and acknowledges it under ``hybridshard/cause/<n>/seen``. A process dying of an
-uncaught exception waits, after publishing, until every other rank acknowledged it (or published
-a cause of its own: it is dying too) or :func:`wait_seconds` passed (``HYBRIDSHARD_CAUSE_WAIT``, 5 by default), so that its peers, blocked
-on it, have read it before its exit takes the store away. The failing collectives then name the
-kept cause when the store cannot be reached.
+uncaught exception waits, after publishing, until every other rank acknowledged it (or published a
+cause of its own: it is dying too) or :func:`wait_seconds` passed (``HYBRIDSHARD_CAUSE_WAIT``, 5 by
+default), so that its peers, blocked on it, have read it before its exit takes the store away. The
+failing collectives, and the check of a stuck one, then name the kept cause when the store cannot
+be reached.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-__all__ = ["Blocked", "Entry", "enter", "entries", "leave", "main_thread_state"]
+__all__ = ["Blocked", "Entry", "MainThreadWatch", "enter", "entries", "leave"]
 
 _MAIN = threading.main_thread()
 _TORCH_DISTRIBUTED = os.path.join("torch", "distributed") + os.sep
@@ -165,7 +165,3 @@ class MainThreadWatch:
             self._key, self._since = key, time.time()
         return Blocked(blocked, call, at, _where(frame), stack, self._since)
 
-
-def main_thread_state(pending: list[Any]) -> Blocked | None:
-    """One look at the main thread (no history: ``since`` is now)."""
-    return MainThreadWatch().observe(pending)

@@ -15,10 +15,11 @@ nothing. So the watchdog thread follows the main thread (see [Note: blocked in a
   default; 0 or less: never), reads every rank's record (one ``check`` and one ``multi_get``) every
   :func:`check_every` seconds. When every rank is blocked, each for at least that long, some inside
   an entry point and the others in a *different* call (another entry point, another call of the
-  same one, or none: the user's barrier), the same reading is confirmed once more, then every rank
-  logs the same message (the call, the ranks in it, the others and where each is), waits until
-  every rank has logged it (a few seconds at most), publishes that it failed and stops with status
-  1, as the fault check stops a job.
+  same one, or none: the user's barrier), and the next reading finds the same, the rank votes for
+  that reading (a counter named by its digest). Once every rank has voted for it, every rank logs
+  the same message (the call, the ranks in it, the others and where each is), waits until every
+  rank has logged it, publishes that it failed and stops with status 1, as the fault check stops a
+  job. A rank that moved on never votes, even if a stale record of it was read.
 
 A rank running anywhere else (computing, sleeping, stalled outside any collective) has no blocked
 record, so a rank that is merely late is never reported, however long it takes. Blocked times are
@@ -28,6 +29,7 @@ shifts the limit by that much.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -43,7 +45,7 @@ __all__ = ["MismatchWatch", "check_every", "mismatch_seconds", "publish_seconds"
 
 _DEFAULT_SECONDS = 30.0
 _KEY = "hybridshard/blocked/{}"
-_STOPPING = "hybridshard/mismatch/stopping"
+_VOTES = "hybridshard/mismatch"
 
 
 def mismatch_seconds() -> float:
@@ -61,7 +63,8 @@ def publish_seconds() -> float:
 
 def check_every() -> float:
     """Seconds between two readings of every rank's record while blocked past the limit."""
-    return max(1.0, min(5.0, mismatch_seconds() / 6))  # two watchdog polls at least: a rank that moved on clears its record
+    # Two watchdog polls at least: a rank that moved on has cleared its record by the confirming reading.
+    return max(1.0, min(5.0, mismatch_seconds() / 6))
 
 
 def _record(state: Blocked) -> dict[str, Any]:
@@ -129,14 +132,27 @@ class MismatchWatch:
         self._stop(s, me, world, records, limit)
 
     def _stop(self, s: Any, me: int, world: int, records: list[dict[str, Any]], limit: float) -> None:
+        """Stop once every rank has found the same mismatch: a rank that moved on, whose record another
+        rank read before it was cleared (a starved watchdog thread), never agrees, so nobody stops."""
+        reading = json.dumps([[_identity(r), r["since"]] for r in records]).encode()
+        votes = f"{_VOTES}/{hashlib.sha1(reading).hexdigest()}"
+        s.add(votes, 1)
+        deadline = time.monotonic() + 2 * check_every() + peers.REPORT_SECONDS
+        while int(s.add(votes, 0)) < world:
+            if time.monotonic() > deadline:
+                logger.debug("mismatch not confirmed by every rank; watching on")
+                self._seen = None
+                return
+            time.sleep(0.01)
         message = describe(me, records, limit)
         logger.critical("%s", message)
         faults.write_error_file(faults.CollectiveError(message), consequence=False)
         peers.publish("failed", f"rank {me} stopped: {faults.first_line(message)}")
-        s.add(_STOPPING, 1)
-        deadline = time.monotonic() + 2 * check_every() + peers.REPORT_SECONDS
-        while time.monotonic() < deadline and int(s.add(_STOPPING, 0)) < world:
-            time.sleep(0.005)  # every rank logs before any leaves (its exit fails the others' collectives), then all leave at once
+        s.add(f"{votes}/logged", 1)
+        deadline = time.monotonic() + peers.REPORT_SECONDS
+        while time.monotonic() < deadline and int(s.add(f"{votes}/logged", 0)) < world:
+            # Every rank logs before any leaves (its exit fails the others' collectives); then all leave at once.
+            time.sleep(0.005)
         faults.stop_now(1)
 
 
@@ -154,7 +170,8 @@ def describe(me: int, records: list[dict[str, Any]], limit: float) -> str:
     first = (f"{call[0]} must be called on every rank, but only {_ranks(inside)} entered it (call "
              f"#{call[1]}), while {others}, every rank for over {limit:.0f}s (HYBRIDSHARD_MISMATCH_SECONDS): call "
              f"{call[0]} on every rank (not under `if rank == 0:`), in the same order as the other collectives.")
-    rows = "\n".join(f"  rank {r}: {rec['text']}, for {time.time() - rec['since']:.0f}s" for r, rec in enumerate(records))
+    now = time.time()
+    rows = "\n".join(f"  rank {r}: {rec['text']}, for {now - rec['since']:.0f}s" for r, rec in enumerate(records))
     return (f"{first}\nwhere every rank is:\n{rows}\nEvery rank stops now (rank {me} too) rather than at the process "
             f"group's timeout.\n{faults.RESTART}")
 
