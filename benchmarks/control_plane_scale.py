@@ -338,6 +338,9 @@ def run(world: int, fault_s: float, healthy_s: float, faults: bool) -> dict[str,
     job = Job(world)
     job.start()
     out["start_s"] = time.monotonic() - t
+    # The phases set the fault limits in os.environ; a caller's own (a test run in the same process,
+    # whose later subprocesses inherit them) are put back after.
+    saved = {k: os.environ.get(k) for k in ("HYBRIDSHARD_FAULT_SECONDS", "HYBRIDSHARD_HANG_SECONDS")}
     try:
         time.sleep(2.0)  # every rank beat once
         out.update(healthy(job, healthy_s, lag))
@@ -346,6 +349,11 @@ def run(world: int, fault_s: float, healthy_s: float, faults: bool) -> dict[str,
     finally:
         job.close()
         lag.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return out
 
 

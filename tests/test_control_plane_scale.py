@@ -35,3 +35,14 @@ def test_control_plane_at_scale(harness, world, monkeypatch):
     assert r["store_ops_per_check_per_rank"] <= 10, r
     if world == 256:
         assert r["init_bytes_per_rank"] <= 64 * 1024, r
+
+
+def test_harness_leaves_the_fault_limits_as_it_found_them(harness, monkeypatch):
+    # Its phases set HYBRIDSHARD_FAULT_SECONDS and HANG_SECONDS; left set, every later test's ranks
+    # (subprocesses of this pytest process) ran with a 1 s fault limit and stopped healthy ranks.
+    monkeypatch.delenv("HYBRIDSHARD_FAULT_SECONDS", raising=False)
+    monkeypatch.setenv("HYBRIDSHARD_HANG_SECONDS", "300")
+    harness.run(8, fault_s=1.0, healthy_s=0.5, faults=True)
+    import os
+
+    assert "HYBRIDSHARD_FAULT_SECONDS" not in os.environ and os.environ["HYBRIDSHARD_HANG_SECONDS"] == "300"
