@@ -46,10 +46,10 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from hybridshard.runtime.faults import peers
+from hybridshard.runtime.faults import causes, peers
 from hybridshard.runtime.faults.peers import table
-from hybridshard.runtime.trace.position import current_where
 from hybridshard.runtime.faults.rank_state import current
+from hybridshard.runtime.trace.position import current_where
 from hybridshard.topology.groups import group_ranks
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ __all__ = ["CollectiveError", "announce", "collective_failed", "first_line", "pe
 class CollectiveError(RuntimeError):
     """A collective failed: the consequence of what another rank did (the message says what)."""
 
-_RESTART = ("The job's collectives are out of step and it cannot continue: restart it (hybridshard launch "
+RESTART = _RESTART = ("The job's collectives are out of step and it cannot continue: restart it (hybridshard launch "
             "--max-restarts N restarts every rank) and resume from the last checkpoint.")
 
 
@@ -78,7 +78,9 @@ def announce(error: BaseException) -> None:
     if isinstance(error, CollectiveError):
         peers.publish("failed", f"rank {rank} failed too: {first_line(error)}")
     else:
-        peers.publish("raised", f"rank {rank} raised {type(error).__name__}: {first_line(error)}")
+        text = f"rank {rank} raised {type(error).__name__}: {first_line(error)}"
+        peers.publish("raised", text)
+        causes.publish(text)  # see [Note: keeping the causes] in hybridshard.runtime.faults.causes
 
 
 def collective_failed(kind: str, group_label: str, group: dist.ProcessGroup | None, err: BaseException) -> CollectiveError:
@@ -92,6 +94,10 @@ def collective_failed(kind: str, group_label: str, group: dist.ProcessGroup | No
                 if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False" else "the rendezvous host")
         cause = (f"rank {me}: {mine} failed ({where}), and the job's store could not be reached to learn "
                  f"why; the store lives in {host}.")
+        kept = causes.kept()  # read before the store went: see [Note: keeping the causes]
+        if kept:
+            cause = (f"{next(iter(kept.values()))}; so {mine} failed on rank {me} ({where}) (kept by this rank: the "
+                     f"job's store could not be reached after that; it lives in {host}).")
         return CollectiveError(f"{cause}\n{_RESTART}\nbackend: {first_line(err)}")
     cause = _cause(me, mine, where, reports, peers.REPORT_SECONDS) or (
         f"rank {me}: {mine} failed ({where}) while every rank is alive: the ranks issued different "
@@ -136,7 +142,7 @@ def peers_gone(kind: str, group_label: str, ranks: list[int], where: str, in_fli
         brief = seconds == peers.REPORT_SECONDS
         reports = peers.ask_everyone(mine, seconds=seconds, while_waiting=while_waiting, brief=brief)
         if reports is None:
-            return None
+            return _kept_cause(me, kind, group_label, ranks, where, in_flight)
         gone = [r for r in reports if r.rank in group and r.rank != me and r.state in _GONE]
         if not gone:
             return None
@@ -150,6 +156,18 @@ def peers_gone(kind: str, group_label: str, ranks: list[int], where: str, in_fli
     return (f"{cause}\nwhere every rank is:\n{table(reports)}\nThe {kind} was still in flight after "
             f"{in_flight:.0f}s (HYBRIDSHARD_FAULT_SECONDS), so rank {me} stops now rather than at the process "
             f"group's timeout.\n{_RESTART}")
+
+
+def _kept_cause(me: int, kind: str, group_label: str, ranks: list[int], where: str, in_flight: float) -> str | None:
+    """:func:`peers_gone`'s message when the store is gone but a rank of the group raised before it went
+    (see [Note: keeping the causes] in :mod:`hybridshard.runtime.faults.causes`); ``None`` without one."""
+    kept = {r: text for r, text in causes.kept().items() if r in ranks and r != me}
+    if not kept:
+        return None
+    return (f"{next(iter(kept.values()))}; so {kind} on the {group_label} group (ranks {ranks}) cannot complete on "
+            f"rank {me} ({where}) (kept by this rank: the job's store could not be reached after that).\nThe {kind} "
+            f"was still in flight after {in_flight:.0f}s (HYBRIDSHARD_FAULT_SECONDS), so rank {me} stops now rather "
+            f"than at the process group's timeout.\n{_RESTART}")
 
 
 def stop_now(status: int = 1) -> None:

@@ -30,10 +30,10 @@ import threading
 import time
 from typing import Any
 
-from hybridshard.runtime.faults import errors, peers
-from hybridshard.runtime.trace.position import where
+from hybridshard.runtime.faults import causes, errors, peers
 from hybridshard.runtime.faults.rank_state import current
 from hybridshard.runtime.faults.watchdog import my_status
+from hybridshard.runtime.trace.position import where
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ def _publish_raised(error: BaseException) -> None:
     errors.write_error_file(error, consequence=isinstance(error, errors.CollectiveError))
     try:
         errors.announce(error)
+        causes.wait_until_seen()  # before the exit can take the store away: [Note: keeping the causes]
     except Exception:  # noqa: BLE001 - never hide the user's own error
         logger.debug("could not publish the uncaught exception", exc_info=True)
 

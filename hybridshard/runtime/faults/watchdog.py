@@ -34,9 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridshard.runtime.faults import errors, peers
-from hybridshard.runtime.trace.position import Where, current_where, snapshot
+from hybridshard.runtime.faults import causes, errors, peers
+from hybridshard.runtime.faults.mismatch import MismatchWatch, mismatch_seconds
 from hybridshard.runtime.faults.rank_state import ControlPlane, bound, current
+from hybridshard.runtime.trace.position import Where, current_where, snapshot
 from hybridshard.topology.groups import group_ranks
 
 logger = logging.getLogger(__name__)
@@ -191,7 +192,7 @@ def my_status() -> dict[str, Any]:
 
 def _poll_seconds() -> float:
     """About once a second; faster when a limit is only seconds (tests)."""
-    limits = [x for x in (hang_seconds(), fault_seconds()) if x > 0]
+    limits = [x for x in (hang_seconds(), fault_seconds(), mismatch_seconds()) if x > 0]
     return min(1.0, max(0.05, min(limits, default=4.0) / 4))
 
 
@@ -206,16 +207,19 @@ def _ready(plane: ControlPlane) -> bool:
 
 def _loop(plane: ControlPlane) -> None:
     with bound(plane):
+        main = MismatchWatch()  # see [Note: entry point on some ranks only] in hybridshard.runtime.faults.mismatch
         if _ready(plane):
             _beat()  # at once: a rank that never beat is lost to its peers
         while not plane.stop.wait(_poll_seconds()):
             if _ready(plane):
-                _iteration()
+                _iteration(main)
 
 
-def _iteration() -> None:
+def _iteration(main: MismatchWatch) -> None:
     try:
         _beat()
+        pending = _prune()
+        causes.poll_if_waiting(main.poll(pending), pending)  # see [Note: keeping the causes]
         _report_if_stuck()
         _stop_if_peers_gone()
     except Exception:  # noqa: BLE001 - the watchdog must never take the job down

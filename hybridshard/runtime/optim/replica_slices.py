@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.engine import get_engine
+from hybridshard.runtime.trace.position import api_call
 from hybridshard.runtime.units.unit import Unit
 
 logger = logging.getLogger(__name__)
@@ -215,6 +216,7 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
         sync.after_step(optimizer)
 
 
+@api_call
 def gather_updated_params(model: nn.Module) -> None:
     """All-gather every replica's slice into the master shards of a model sharded with
     ``shard_optimizer_across_replicas=True``, and wait for it.

@@ -15,6 +15,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
 
+from hybridshard.runtime.trace import entry_points
+
 __all__ = ["PHASES", "Where", "api_call", "current_where", "in_call", "snapshot", "where", "working_for"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -80,9 +82,11 @@ def snapshot() -> Where:
 def in_call(name: str) -> Iterator[None]:
     """Mark the block as the API call ``name`` (collective calls outside training steps)."""
     outer, where.call = where.call, name
+    entry = entry_points.enter(name)  # see [Note: entry point on some ranks only] in hybridshard.runtime.faults.mismatch
     try:
         yield
     finally:
+        entry_points.leave(entry)
         where.call = outer
 
 

@@ -1,0 +1,185 @@
+"""A job-wide call made on some ranks only: found while every rank is alive, named on every rank.
+
+[Note: entry point on some ranks only]
+``if rank == 0: hs.full_state_dict(model)`` then ``dist.barrier()`` leaves every rank blocked, each
+in a different collective, until the process group's timeout; every rank is alive, so the fault
+check (see [Note: a stuck collective with a lost peer] in :mod:`hybridshard.runtime.faults`) finds
+nothing. So the watchdog thread follows the main thread (see [Note: blocked in a collective] in
+:mod:`hybridshard.runtime.trace.entry_points`), and
+
+- once it has been blocked for :func:`publish_seconds` (a few seconds), publishes one small record
+  under ``hybridshard/blocked/<rank>`` (the entry points it is in with their sequence numbers, the
+  collective, the user's file and line, since when), and ``{"blocked": false}`` once it moves on:
+  at most two store writes per long wait, none on a job whose collectives return quickly;
+- once it has been blocked for :func:`mismatch_seconds` (``HYBRIDSHARD_MISMATCH_SECONDS``, 30 by
+  default; 0 or less: never), reads every rank's record (one ``check`` and one ``multi_get``) every
+  :func:`check_every` seconds. When every rank is blocked, each for at least that long, some inside
+  an entry point and the others in a *different* call (another entry point, another call of the
+  same one, or none: the user's barrier), and the next reading finds the same, the rank votes for
+  that reading (a counter named by its digest). Once every rank has voted for it, every rank logs
+  the same message (the call, the ranks in it, the others and where each is), waits until every
+  rank has logged it, publishes that it failed and stops with status 1, as the fault check stops a
+  job. A rank that moved on never votes, even if a stale record of it was read.
+
+A rank running anywhere else (computing, sleeping, stalled outside any collective) has no blocked
+record, so a rank that is merely late is never reported, however long it takes. Blocked times are
+compared as ``time.time()`` across hosts, so clock skew (normally well under a second with NTP)
+shifts the limit by that much.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from hybridshard.runtime.faults import errors, peers
+from hybridshard.runtime.trace.entry_points import Blocked, MainThreadWatch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MismatchWatch", "check_every", "mismatch_seconds", "publish_seconds"]
+
+_DEFAULT_SECONDS = 30.0
+_KEY = "hybridshard/blocked/{}"
+_VOTES = "hybridshard/mismatch"
+
+
+def mismatch_seconds() -> float:
+    """How long every rank must be blocked before a mismatch is named (``HYBRIDSHARD_MISMATCH_SECONDS``)."""
+    try:
+        return float(os.environ.get("HYBRIDSHARD_MISMATCH_SECONDS", _DEFAULT_SECONDS))
+    except ValueError:
+        return _DEFAULT_SECONDS
+
+
+def publish_seconds() -> float:
+    """Blocked this long, a rank publishes where it is (5 s, less when the limit is lower)."""
+    return min(5.0, mismatch_seconds() / 2)
+
+
+def check_every() -> float:
+    """Seconds between two readings of every rank's record while blocked past the limit."""
+    # Two watchdog polls at least: a rank that moved on has cleared its record by the confirming reading.
+    return max(1.0, min(5.0, mismatch_seconds() / 6))
+
+
+def _record(state: Blocked) -> dict[str, Any]:
+    return {"blocked": True, "entry": [[e.name, e.seq] for e in state.entries], "call": state.call,
+            "at": state.at, "inner": state.inner, "since": state.since, "text": state.describe()}
+
+
+def _identity(record: dict[str, Any]) -> tuple[str, int] | None:
+    """The job-wide call a rank is in: its outermost entry point and that entry's number."""
+    return tuple(record["entry"][0]) if record.get("entry") else None  # type: ignore[return-value]
+
+
+class MismatchWatch:
+    """The mismatch check of one rank, run by its watchdog thread once per poll."""
+
+    def __init__(self) -> None:
+        self.main = MainThreadWatch()
+        self._published: float | None = None
+        """``since`` of the blocked episode published, or ``None``."""
+        self._next_check = 0.0
+        self._seen: list[dict[str, Any]] | None = None
+
+    def poll(self, pending: list[Any]) -> Blocked | None:
+        """Look at the main thread, publish or read as the note says; stops the process on a mismatch."""
+        limit = mismatch_seconds()
+        state = self.main.observe(pending)
+        if limit <= 0 or state is None:
+            return state
+        s = peers.store()
+        if s is None:
+            return state
+        me, world = peers.identity()
+        now = time.time()
+        blocked_for = now - state.since if state.blocked else 0.0
+        try:
+            if self._published is not None and (not state.blocked or state.since != self._published):
+                s.set(_KEY.format(me), json.dumps({"blocked": False}).encode())
+                self._published, self._seen = None, None
+            if state.blocked and self._published is None and blocked_for >= publish_seconds():
+                s.set(_KEY.format(me), json.dumps(_record(state)).encode())
+                self._published = state.since
+            if self._published is not None and blocked_for >= limit and time.monotonic() >= self._next_check:
+                self._next_check = time.monotonic() + check_every()
+                self._check(s, me, world, limit)
+        except Exception:  # noqa: BLE001 - the store may be gone: the fault paths say so
+            logger.debug("mismatch check failed", exc_info=True)
+        return state
+
+    def _check(self, s: Any, me: int, world: int, limit: float) -> None:
+        keys = [_KEY.format(r) for r in range(world)]
+        if not s.check(keys):
+            return  # some rank never blocked that long: it is running, so late at most
+        records = [json.loads(v.decode()) for v in s.multi_get(keys)]
+        now = time.time()
+        if not all(r.get("blocked") and now - r["since"] >= limit for r in records):
+            self._seen = None
+            return
+        idents = [_identity(r) for r in records]
+        if all(i is None for i in idents) or len(set(idents)) == 1:
+            self._seen = None
+            return  # the same call everywhere (slow, or the others' business), or no entry point at all
+        if self._seen is None or [r["since"] for r in self._seen] != [r["since"] for r in records]:
+            self._seen = records  # confirmed at the next reading: no rank moved on in between
+            return
+        self._stop(s, me, world, records, limit)
+
+    def _stop(self, s: Any, me: int, world: int, records: list[dict[str, Any]], limit: float) -> None:
+        """Stop once every rank has found the same mismatch: a rank that moved on, whose record another
+        rank read before it was cleared (a starved watchdog thread), never agrees, so nobody stops."""
+        reading = json.dumps([[_identity(r), r["since"]] for r in records]).encode()
+        votes = f"{_VOTES}/{hashlib.sha1(reading).hexdigest()}"
+        s.add(votes, 1)
+        deadline = time.monotonic() + 2 * check_every() + peers.REPORT_SECONDS
+        while int(s.add(votes, 0)) < world:
+            if time.monotonic() > deadline:
+                logger.debug("mismatch not confirmed by every rank; watching on")
+                self._seen = None
+                return
+            time.sleep(0.01)
+        message = describe(me, records, limit)
+        logger.critical("%s", message)
+        errors.write_error_file(errors.CollectiveError(message), consequence=False)
+        peers.publish("failed", f"rank {me} stopped: {errors.first_line(message)}")
+        s.add(f"{votes}/logged", 1)
+        deadline = time.monotonic() + peers.REPORT_SECONDS
+        while time.monotonic() < deadline and int(s.add(f"{votes}/logged", 0)) < world:
+            # Every rank logs before any leaves (its exit fails the others' collectives); then all leave at once.
+            time.sleep(0.005)
+        errors.stop_now(1)
+
+
+def describe(me: int, records: list[dict[str, Any]], limit: float) -> str:
+    """The message every rank stops with: the call, the ranks in it, the others and where they are."""
+    idents = [_identity(r) for r in records]
+    call = min((i for i in idents if i is not None), key=lambda i: (i[1], i[0]))
+    inside = [r for r, i in enumerate(idents) if i == call]
+    elsewhere: dict[str, list[int]] = {}
+    for r, i in enumerate(idents):
+        if i != call:
+            elsewhere.setdefault(_short_call(records[r]), []).append(r)
+    others = "; ".join(f"{_ranks(rs)} {'is' if len(rs) == 1 else 'are'} blocked in {where}"
+                       for where, rs in elsewhere.items())
+    first = (f"{call[0]} must be called on every rank, but only {_ranks(inside)} entered it (call "
+             f"#{call[1]}), while {others}, every rank for over {limit:.0f}s (HYBRIDSHARD_MISMATCH_SECONDS): call "
+             f"{call[0]} on every rank (not under `if rank == 0:`), in the same order as the other collectives.")
+    now = time.time()
+    rows = "\n".join(f"  rank {r}: {rec['text']}, for {now - rec['since']:.0f}s" for r, rec in enumerate(records))
+    return (f"{first}\nwhere every rank is:\n{rows}\nEvery rank stops now (rank {me} too) rather than at the process "
+            f"group's timeout.\n{errors.RESTART}")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _short_call(record: dict[str, Any]) -> str:
+    entry = f"{record['entry'][0][0]} (call #{record['entry'][0][1]}), " if record.get("entry") else ""
+    return f"{entry}{record['call']} at {record['at']}"

@@ -1,0 +1,177 @@
+"""Control-plane faults with every rank alive, or with the store gone: named on every rank, never a hang.
+
+- A job-wide call made on some ranks only (``if rank == 0: hs.full_state_dict(model)`` then a barrier)
+  stops every rank within ``HYBRIDSHARD_MISMATCH_SECONDS`` plus a few seconds, naming the call, the
+  rank in it and where the others are (see [Note: entry point on some ranks only]).
+- A rank that is merely late (sleeping outside any collective while the others wait) is never reported.
+- When the first failing rank hosts the store and takes it down, the survivors still name it and what
+  it raised (see [Note: keeping the causes]).
+
+4 plain processes per job (``tests/mismatch_job.py``), a 60 s process-group timeout so that only the
+watchdog can end a hang within the deadlines asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+import pytest
+
+from hybridshard.launcher.local_cluster import free_port
+from tests.mp import run_rank_processes
+
+pytestmark = pytest.mark.multiprocess
+
+JOB = os.path.join(os.path.dirname(__file__), "mismatch_job.py")
+MISMATCH_SECONDS = 2.0
+SLACK = 12.0  # poll, confirmation and exit; generous for a loaded machine
+REPEATS = 2
+
+
+def _run(scenario: str, env: dict[str, str] | None = None) -> list[dict]:
+    env = {"HYBRIDSHARD_MISMATCH_SECONDS": str(MISMATCH_SECONDS), **(env or {})}
+    start = time.time()
+    ranks = run_rank_processes([JOB, scenario], 4, timeout=120, env=env)
+    out = []
+    for rank, (code, text, seconds) in enumerate(ranks):
+        assert code is not None, f"rank {rank} hung (killed at the timeout):\n{text[-3000:]}"
+        results = [json.loads(line[len("RESULT "):]) for line in text.splitlines() if line.startswith("RESULT ")]
+        step1 = [float(line.split()[1]) for line in text.splitlines() if line.startswith("STEP1 ")]
+        out.append({"code": code, "text": text, "result": results[-1] if results else None,
+                    "after_step1": start + seconds - step1[0] if step1 else None})
+    return out
+
+
+def test_entry_point_called_on_one_rank_stops_every_rank_naming_it():
+    for _ in range(REPEATS):
+        ranks = _run("entry_alone")
+        for rank, r in enumerate(ranks):
+            assert r["code"] == 1, (rank, r["text"][-3000:])
+            first = [line for line in r["text"].splitlines() if "must be called on every rank" in line]
+            assert first, (rank, r["text"][-3000:])
+            assert re.match(r"full_state_dict must be called on every rank, but only rank 0 entered it \(call #1\)"
+                            r", while ranks 1, 2, 3 are blocked in barrier at \S*mismatch_job\.py:\d+ \(main\), "
+                            r"every rank for over 2s \(HYBRIDSHARD_MISMATCH_SECONDS\)", first[0]), first[0]
+            assert "rank 0: inside full_state_dict (call #1 on this rank), blocked in all_gather" in r["text"]
+            for other in (1, 2, 3):
+                assert re.search(rf"rank {other}: in no entry point of the package, blocked in barrier at "
+                                 r"\S*mismatch_job\.py:\d+ \(main\)", r["text"]), r["text"][-3000:]
+            assert f"Every rank stops now (rank {rank} too)" in r["text"]
+            # Found once every rank was blocked that long, long before the 60 s process-group timeout.
+            assert MISMATCH_SECONDS <= r["after_step1"] < MISMATCH_SECONDS + SLACK, r["after_step1"]
+
+
+def test_late_rank_outside_collectives_is_never_reported():
+    # Twice, rank 3 sleeps twice the limit before full_state_dict and before a barrier while the others
+    # wait in them: 4 waits of every other rank, inside an entry point and outside any.
+    ranks = _run("late", env={"LATE_SECONDS": str(2 * MISMATCH_SECONDS), "ROUNDS": "2"})
+    for rank, r in enumerate(ranks):
+        assert r["code"] == 0 and r["result"]["outcome"] == "ok", (rank, r["text"][-3000:])
+        assert "must be called on every rank" not in r["text"], r["text"][-3000:]
+
+
+def test_first_failing_rank_that_hosts_the_store_is_still_named():
+    # Rank 0 hosts the store (no agent store) and raises at step 1: its exit takes the store down.
+    for _ in range(REPEATS):
+        env = {"MASTER_PORT": str(free_port()), "TORCHELASTIC_USE_AGENT_STORE": "False"}
+        ranks = _run("host_raises", env=env)
+        assert ranks[0]["result"]["type"] == "ValueError" and ranks[0]["code"] == 1, ranks[0]["text"][-3000:]
+        for rank in (1, 2, 3):
+            r = ranks[rank]["result"]
+            assert r is not None and r["type"] == "CollectiveError", ranks[rank]["text"][-3000:]
+            first = r["message"].splitlines()[0]
+            assert first.startswith("rank 0 raised ValueError: a bad batch on rank 0; so "), r["message"]
+            # Whether the store is still up when a survivor writes this depends on timing (rank 0 waits
+            # until the others have seen its cause before it exits): either it names the cause it kept,
+            # or it read rank 0's own record. The kept path alone: the test below.
+            assert ("kept by this rank: the job's store could not be reached" in first
+                    or re.search(r"raised\s+rank 0 raised ValueError: a bad batch on rank 0", r["message"])), r["message"]
+            assert r["seconds"] < 30, r
+
+
+class _Store:
+    """A dict with the calls of a c10d store that the mismatch check makes."""
+
+    def __init__(self, records: dict[int, dict]) -> None:
+        self.data = {f"hybridshard/blocked/{r}": json.dumps(v).encode() for r, v in records.items()}
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def multi_get(self, keys):
+        return [self.data[k] for k in keys]
+
+
+def _record(entry, call="barrier", at="train.py:9 (main)", age=10.0):
+    return {"blocked": True, "entry": entry, "call": call, "at": at, "inner": at, "since": -age,
+            "text": f"blocked in {call} at {at}"}  # since: made relative to now by _now()
+
+
+def _now(records):
+    now = time.time()
+    return {r: {**v, "since": now + v["since"]} for r, v in records.items()}
+
+
+@pytest.mark.parametrize("records,stops", [
+    ({0: _record([["full_state_dict", 3]]), 1: _record([]), 2: _record([]), 3: _record([])}, True),
+    ({0: _record([["full_state_dict", 3]]), 1: _record([["save_checkpoint", 3]])}, True),
+    ({0: _record([["save_checkpoint", 4]]), 1: _record([["save_checkpoint", 3]])}, True),  # one call more on rank 0
+    ({0: _record([["save_checkpoint", 3]]), 1: _record([["save_checkpoint", 3]])}, False),  # slow, not mismatched
+    ({0: _record([]), 1: _record([], call="all_reduce")}, False),  # no entry point: the hang report's business
+    ({0: _record([["full_state_dict", 3]]), 1: _record([], age=1.0)}, False),  # rank 1 not blocked long enough
+    ({0: _record([["full_state_dict", 3]])}, False),  # rank 1 published nothing: running, so late at most
+])
+def test_mismatch_needs_every_rank_blocked_in_different_calls(monkeypatch, records, stops):
+    from hybridshard.runtime.faults import mismatch
+
+    stopped = []
+    monkeypatch.setattr(mismatch.MismatchWatch, "_stop", lambda self, s, me, world, recs, limit: stopped.append(recs))
+    watch = mismatch.MismatchWatch()
+    store = _Store(_now(records))
+    watch._check(store, 0, 2 if len(records) < 4 else 4, 5.0)
+    assert not stopped  # the first reading is only confirmed by the next one
+    watch._check(store, 0, 2 if len(records) < 4 else 4, 5.0)
+    assert bool(stopped) == stops, records
+
+
+def test_mismatch_message_names_both_calls():
+    from hybridshard.runtime.faults.mismatch import describe
+
+    records = _now({0: _record([["full_state_dict", 3]], call="all_gather on the shard group"),
+                    1: _record([["save_checkpoint", 3]], call="all_gather_object", at="train.py:20 (main)")})
+    records = [records[0], records[1]]
+    first = describe(1, records, 30.0).splitlines()[0]
+    assert first.startswith("full_state_dict must be called on every rank, but only rank 0 entered it ("
+                            "call #3), while rank 1 is blocked in save_checkpoint (call #3), "
+                            "all_gather_object at train.py:20 (main), every rank for over 30s"), first
+
+
+def test_every_public_collective_call_is_an_announced_entry_point():
+    import hybridshard as hs
+    from hybridshard.runtime.trace.position import api_call
+
+    wrapper_code = api_call(lambda: None).__code__
+    collective = ["full_state_dict", "load_full_state_dict", "full_optim_state_dict", "load_full_optim_state_dict",
+                  "save_checkpoint", "load_checkpoint", "save_pretrained", "load_pretrained", "check_replicas",
+                  "clip_grad_norm_", "gather_updated_params"]
+    for name in collective:
+        assert getattr(hs, name).__code__ is wrapper_code, f"hs.{name} is not announced as an entry point"
+
+
+def test_stuck_collective_names_a_kept_cause_when_the_store_is_gone(monkeypatch):
+    # On NCCL a collective whose peer died stays stuck; the fault check then finds the store gone too.
+    from hybridshard.runtime.faults import causes
+    from hybridshard.runtime.faults import errors, peers
+
+    monkeypatch.setattr(peers, "store", lambda: None)
+    monkeypatch.setattr(peers, "identity", lambda: (2, 4))
+    assert errors.peers_gone("all_reduce", "replicate", [0, 2], "step 3", 61.0, {}) is None  # nothing kept
+    monkeypatch.setattr(causes, "_KEPT", {0: "rank 0 raised ValueError: a bad batch on rank 0"})
+    message = errors.peers_gone("all_reduce", "replicate", [0, 2], "step 3", 61.0, {})
+    assert message.splitlines()[0] == ("rank 0 raised ValueError: a bad batch on rank 0; so all_reduce on the "
+                                       "replicate group (ranks [0, 2]) cannot complete on rank 2 (step 3) (kept by "
+                                       "this rank: the job's store could not be reached after that)."), message
+    assert errors.peers_gone("all_reduce", "replicate", [1, 2], "step 3", 61.0, {}) is None  # rank 0 not in the group
