@@ -160,9 +160,9 @@ def test_hook_clock_counts_outermost_entries_once_and_puts_originals_back(monkey
     from hybridshard.bench import hook_time
 
     original = _Hooked.outer
-    monkeypatch.setitem(hook_time.ENTRY_POINTS, "fake", [(__name__, "_Hooked", "outer", False),
-                                                         (__name__, "_Hooked", "inner", False),
-                                                         (__name__, None, "_not_here", False)])
+    monkeypatch.setitem(hook_time.ENTRY_POINTS, "fake", [(__name__, "_Hooked", "outer"),
+                                                         (__name__, "_Hooked", "inner"),
+                                                         (__name__, None, "_not_here")])
     clock = hook_time.HookClock().install(["fake"])
     clock.label = "a"
     assert _Hooked().outer() == 3 and _Hooked().inner() == 3
@@ -172,6 +172,38 @@ def test_hook_clock_counts_outermost_entries_once_and_puts_originals_back(monkey
     assert _Hooked.outer is original
     with pytest.raises(ValueError, match="expected one of"):
         hook_time.HookClock().install(["nope"])
+
+
+class _FakeUnit:
+    def __init__(self) -> None:
+        self.hook_seconds = 0.0
+
+
+def test_runtime_hook_clock_charges_nested_entries_once_and_the_bench_reads_it():
+    """One measurement: a nested entry's time goes to its own unit only, and the bench's clock gets the
+    outermost entry's wall time from the runtime's clock (no wrapper of its own around hybridshard)."""
+    from hybridshard.bench import hook_time
+    from hybridshard.runtime.trace import hook_clock
+
+    outer, inner = _FakeUnit(), _FakeUnit()
+    clock = hook_time.HookClock().install(["hybridshard"])
+    clock.label = "a"
+    try:
+        with hook_clock.timed(outer, "outer"):
+            time.sleep(0.02)
+            with hook_clock.timed(inner, "inner"):
+                time.sleep(0.03)
+        with hook_clock.thread_job("job"):
+            pass
+    finally:
+        clock.uninstall()
+    assert inner.hook_seconds >= 0.03 and outer.hook_seconds >= 0.02  # sum == outermost wall: exclusive
+    assert clock.calls["a"] == 1
+    assert clock.seconds["a"] == pytest.approx(outer.hook_seconds + inner.hook_seconds)
+    assert set(clock.cpu_by_entry) == {("a", "outer"), ("a", "job")}
+    with hook_clock.timed(outer, "after"):  # uninstalled: the runtime's clock goes on, the bench's not
+        pass
+    assert clock.calls["a"] == 1 and hook_clock.observe(None) is None
 
 
 def test_live_bytes_count_storage_resizes():

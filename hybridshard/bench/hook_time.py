@@ -1,33 +1,21 @@
 """Wall time in each system's hooks, measured the same way for hybridshard, FSDP1 and FSDP2.
 
 [Note: timing other systems' hooks]
-The runtime times its own hooks (``comm_stats``), but a comparison needs one clock for every
-system. :class:`HookClock` wraps each system's hook entry points - the functions the module hooks,
-the autograd hooks and the end-of-backward callback call into - and adds the wall time of every
-*outermost* entry (an entry point that calls another counts once) to the total of
-:attr:`HookClock.label`, which the caller sets to the contestant whose step runs:
+A comparison needs one measure for every system. hybridshard times its own hooks
+(:mod:`hybridshard.runtime.trace.hook_clock`; see [Note: one hook clock] there): :class:`HookClock`
+observes that clock rather than timing them again. For FSDP1 and FSDP2 it wraps the hook entry
+points (:data:`ENTRY_POINTS`) and measures them alike: the wall time of every *outermost* entry (an
+entry point that calls another counts once) and the thread's CPU time in it (``time.thread_time``:
+the hooks' own work, without the time blocked on a collective, a lock or another process; 4 ranks
+on 2 cores are often descheduled), added to the totals of :attr:`HookClock.label`, the contestant
+whose step runs. hybridshard's communication thread adds its jobs' CPU time to the same CPU total
+(not to the wall time, which would count its waits); FSDP1 and FSDP2 run no thread of their own.
+Wall time includes waits for collectives inside the hooks, as ``comm_stats``'s does.
 
-- hybridshard: the forward pre/post hooks ``Engine`` makes, ``Unit._pre_backward``,
-  ``Unit._post_backward``, ``Unit._inputs_done`` and the end-of-backward callback;
-- FSDP1: ``_root_pre_forward``, ``_pre_forward``, ``_post_forward``, ``_pre_backward_hook``,
-  ``_post_backward_hook``, ``_post_backward_reshard_only_hook`` and ``_post_backward_final_callback``
-  of ``torch.distributed.fsdp._runtime_utils`` (and the names ``fully_sharded_data_parallel``
-  imported from it);
-- FSDP2: ``FSDPState._pre_forward``, ``_post_forward``, ``_pre_backward``,
-  ``_root_post_backward_final_callback`` and ``FSDPParamGroup.post_backward``.
-
-Besides wall time, the clock adds the *CPU time* of the thread inside each outermost entry
-(``time.thread_time``): the hooks' own work, without the time they spend blocked on a collective,
-a lock or another process (4 ranks on 2 cores are often descheduled). hybridshard also runs part of
-its gradient path on its communication thread (:class:`~hybridshard.runtime.comm.executors.threads.GradJob`): that
-thread's CPU time in its jobs is added to the same total (:data:`THREAD_ENTRY_POINTS`; not to the
-wall time, which would count its waits). FSDP1 and FSDP2 run no thread of their own on the CPU.
-
-Hooks are bound when a model is wrapped (FSDP1 binds functions, FSDP2 and hybridshard bound
-methods), so :meth:`HookClock.install` must run before the models are built; :meth:`uninstall` puts
-the originals back. The time includes waits for collectives inside the hooks, as ``comm_stats``'s
-does. ``on_enter``/``on_exit`` run at each outermost entry and exit (benchmarks/hook_profile.py
-turns a profiler on and off there). A name a torch version lacks is skipped; :attr:`missing` lists it.
+Hooks are bound when a model is wrapped, so :meth:`HookClock.install` must run before the models are
+built; :meth:`uninstall` puts the originals back. ``on_enter``/``on_exit`` run at each outermost entry
+and exit (benchmarks/hook_profile.py turns a profiler on and off there). A name a torch version lacks
+is skipped; :attr:`missing` lists it.
 """
 
 from __future__ import annotations
@@ -40,37 +28,29 @@ import time
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
+from hybridshard.runtime.trace import hook_clock
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["HookClock", "ENTRY_POINTS", "THREAD_ENTRY_POINTS"]
+__all__ = ["HookClock", "ENTRY_POINTS", "OBSERVED"]
 
-# system -> [(module, owner class or None, attribute, wraps a hook factory's result)]
-ENTRY_POINTS: dict[str, list[tuple[str, str | None, str, bool]]] = {
-    "hybridshard": [
-        ("hybridshard.runtime.engine", "Engine", "_make_pre_hook", True),
-        ("hybridshard.runtime.engine", "Engine", "_make_post_hook", True),
-        ("hybridshard.runtime.units.unit", "Unit", "_pre_backward", False),
-        ("hybridshard.runtime.units.unit", "Unit", "_post_backward", False),
-        ("hybridshard.runtime.units.unit", "Unit", "_inputs_done", False),
-        ("hybridshard.runtime.engine", "_FinishBackward", "__call__", False),
-    ],
+OBSERVED = "hybridshard"
+"""The system whose hooks time themselves (:mod:`hybridshard.runtime.trace.hook_clock`): observed, not wrapped."""
+
+# system -> [(module, owner class or None, attribute)]
+ENTRY_POINTS: dict[str, list[tuple[str, str | None, str]]] = {
     "fsdp1": [
-        ("torch.distributed.fsdp._runtime_utils", None, name, False)
+        ("torch.distributed.fsdp._runtime_utils", None, name)
         for name in ("_root_pre_forward", "_pre_forward", "_post_forward", "_pre_backward_hook",
                      "_post_backward_hook", "_post_backward_reshard_only_hook", "_post_backward_final_callback")
     ] + [  # FullyShardedDataParallel.forward calls the names it imported
-        ("torch.distributed.fsdp.fully_sharded_data_parallel", None, name, False)
+        ("torch.distributed.fsdp.fully_sharded_data_parallel", None, name)
         for name in ("_root_pre_forward", "_pre_forward", "_post_forward")
     ],
     "fsdp2": [
-        ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState", name, False)
+        ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState", name)
         for name in ("_pre_forward", "_post_forward", "_pre_backward", "_root_post_backward_final_callback")
-    ] + [("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup", "post_backward", False)],
-}
-
-# Entry points run on a thread of the system's own: CPU time only (see the Note).
-THREAD_ENTRY_POINTS: dict[str, list[tuple[str, str | None, str, bool]]] = {
-    "hybridshard": [("hybridshard.runtime.comm.executors.threads", "GradJob", "run", False)],
+    ] + [("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup", "post_backward")],
 }
 
 
@@ -91,12 +71,32 @@ class HookClock:
         self.on_enter, self.on_exit = on_enter, on_exit
         self._local = threading.local()
         self._patched: list[tuple[Any, str, Any]] = []
+        self._observing = False
 
     def reset(self) -> None:
         self.seconds.clear()
         self.cpu_seconds.clear()
         self.cpu_by_entry.clear()
         self.calls.clear()
+
+    # -- the accounting, for hybridshard's clock (a hook_clock.HookObserver) and the wrapped entries --
+
+    def hook_entered(self) -> None:
+        if self.on_enter is not None:
+            self.on_enter()
+
+    def hook_exited(self, entry: str, wall_seconds: float, cpu_seconds: float) -> None:
+        if self.on_exit is not None:
+            self.on_exit()
+        self.cpu_seconds[self.label] += cpu_seconds
+        self.cpu_by_entry[(self.label, entry)] += cpu_seconds
+        self.seconds[self.label] += wall_seconds
+        self.calls[self.label] += 1
+
+    def thread_job(self, entry: str, cpu_seconds: float) -> None:
+        # a step drains its jobs before it returns: the label is still that step's
+        self.cpu_seconds[self.label] += cpu_seconds
+        self.cpu_by_entry[(self.label, entry)] += cpu_seconds
 
     def _timed(self, fn: Callable) -> Callable:
         entry = fn.__qualname__
@@ -106,54 +106,28 @@ class HookClock:
             if getattr(self._local, "inside", False):
                 return fn(*args, **kwargs)
             self._local.inside = True
+            self.hook_entered()
             started, cpu_started = time.perf_counter(), time.thread_time()
-            if self.on_enter is not None:
-                self.on_enter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                if self.on_exit is not None:
-                    self.on_exit()
-                cpu = time.thread_time() - cpu_started
-                self.cpu_seconds[self.label] += cpu
-                self.cpu_by_entry[(self.label, entry)] += cpu
-                self.seconds[self.label] += time.perf_counter() - started
-                self.calls[self.label] += 1
+                self.hook_exited(entry, time.perf_counter() - started, time.thread_time() - cpu_started)
                 self._local.inside = False
 
         return timed
 
-    def _cpu_timed(self, fn: Callable) -> Callable:
-        entry = f"{fn.__qualname__} (thread)"
-
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            cpu_started = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:  # a step drains its jobs before it returns: the label is still that step's
-                cpu = time.thread_time() - cpu_started
-                self.cpu_seconds[self.label] += cpu
-                self.cpu_by_entry[(self.label, entry)] += cpu
-
-        return timed
-
-    def _factory(self, make: Callable) -> Callable:
-        @functools.wraps(make)
-        def wrapped_factory(*args, **kwargs):
-            return self._timed(make(*args, **kwargs))
-
-        return wrapped_factory
-
     def install(self, systems: Iterable[str]) -> "HookClock":
-        """Wrap the entry points of ``systems`` (names in :data:`ENTRY_POINTS`); before building models."""
+        """Observe hybridshard's clock and wrap the other ``systems``' entry points; before building models."""
         for system in systems:
+            if system == OBSERVED:
+                if hook_clock.observe(self) not in (None, self):
+                    raise RuntimeError("another HookClock observes hybridshard's hooks; uninstall it first")
+                self._observing = True
+                continue
             if system not in ENTRY_POINTS:
                 raise ValueError(f"no hook entry points known for system {system!r}; expected one of "
-                                 f"{sorted(ENTRY_POINTS)}; time only those systems")
-            entries = [(e, self._timed) for e in ENTRY_POINTS[system]]
-            entries += [(e, self._cpu_timed) for e in THREAD_ENTRY_POINTS.get(system, ())]
-            for (module_name, owner_name, attr, factory), wrap in entries:
+                                 f"{sorted([OBSERVED, *ENTRY_POINTS])}; time only those systems")
+            for module_name, owner_name, attr in ENTRY_POINTS[system]:
                 try:
                     owner = importlib.import_module(module_name)
                     owner = getattr(owner, owner_name) if owner_name else owner
@@ -162,13 +136,16 @@ class HookClock:
                     self.missing.append(f"{module_name}.{owner_name + '.' if owner_name else ''}{attr}")
                     continue
                 self._patched.append((owner, attr, original))
-                setattr(owner, attr, self._factory(original) if factory else wrap(original))
+                setattr(owner, attr, self._timed(original))
         if self.missing:
             logger.warning("hook entry points not found in this torch, not timed: %s", self.missing)
         return self
 
     def uninstall(self) -> None:
-        """Put back every original (models built meanwhile keep the wrapped hooks)."""
+        """Stop observing and put back every original (models built meanwhile keep the wrapped hooks)."""
+        if self._observing:
+            hook_clock.observe(None)
+            self._observing = False
         for owner, attr, original in reversed(self._patched):
             setattr(owner, attr, original)
         self._patched.clear()

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 import weakref
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -40,6 +39,7 @@ from hybridshard.runtime.comm import agreement
 from hybridshard.runtime.comm.executors.select import ExecutorKind, make_executor
 from hybridshard.runtime.grads.compression import ReplicateCompressor
 from hybridshard.runtime.grads.reduce import SyncMode
+from hybridshard.runtime.trace import hook_clock
 from hybridshard.runtime.trace.counters import CollectiveCounts
 from hybridshard.runtime.trace.position import where
 from hybridshard.runtime.units.offload import CPUOffload, arrived
@@ -154,36 +154,34 @@ class Engine:
         param_dtype = self.mixed_precision.param_dtype if self.mixed_precision else None
 
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict):
-            started = time.perf_counter()
-            if is_root and self._callback_queued and not self._backward_running():
-                self._recover_aborted_backward()
-            if is_root and not self.in_backward:
-                self.executor.end_step()
-                where.start_forward()
-                if self.check_steps:
-                    self._verify_pending_check()
-                    self._pending_check = self._issue_check(Pass.FORWARD)
-                self.prefetcher.begin(Pass.FORWARD)
-            if not self.in_backward:
-                self.prefetcher.before_unit(Pass.FORWARD, unit)
-            unit.pre_forward()
-            unit.watch_inputs(args, kwargs)  # see [Note: resharding frozen units early]
-            unit.hook_seconds += time.perf_counter() - started
-            if is_root and param_dtype is not None and not self.in_backward:
-                cast = lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                return tree_map(cast, args), tree_map(cast, kwargs)
-            return None
+            with hook_clock.timed(unit, "Engine.pre_hook"):
+                if is_root and self._callback_queued and not self._backward_running():
+                    self._recover_aborted_backward()
+                if is_root and not self.in_backward:
+                    self.executor.end_step()
+                    where.start_forward()
+                    if self.check_steps:
+                        self._verify_pending_check()
+                        self._pending_check = self._issue_check(Pass.FORWARD)
+                    self.prefetcher.begin(Pass.FORWARD)
+                if not self.in_backward:
+                    self.prefetcher.before_unit(Pass.FORWARD, unit)
+                unit.pre_forward()
+                unit.watch_inputs(args, kwargs)  # see [Note: resharding frozen units early]
+                if is_root and param_dtype is not None and not self.in_backward:
+                    cast = lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                    return tree_map(cast, args), tree_map(cast, kwargs)
+                return None
 
         return pre_hook
 
     def _make_post_hook(self, unit: Unit):
         def post_hook(module: nn.Module, args: tuple, output: Any):
-            started = time.perf_counter()
-            output = unit.post_forward(output)
-            if self.is_root(unit) and not self.in_backward:
-                self.prefetcher.end_forward()
-            unit.hook_seconds += time.perf_counter() - started
-            return output
+            with hook_clock.timed(unit, "Engine.post_hook"):
+                output = unit.post_forward(output)
+                if self.is_root(unit) and not self.in_backward:
+                    self.prefetcher.end_forward()
+                return output
 
         return post_hook
 
@@ -322,7 +320,8 @@ class _FinishBackward:
         self.engine = engine
 
     def __call__(self) -> None:
-        self.engine._finish_backward()
+        with hook_clock.timed(None, "_FinishBackward.__call__"):  # a hook of no one unit
+            self.engine._finish_backward()
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -29,6 +29,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.grads.reduce import GradReduction, SyncMode
+from hybridshard.runtime.trace import hook_clock
 from hybridshard.runtime.trace.position import where
 from hybridshard.runtime.units.changes import check_unchanged
 from hybridshard.runtime.units.flat_param import FlatParam
@@ -306,7 +307,8 @@ class Unit:
                     hooks[i] = (hook, t.register_hook(hook))
 
     def _inputs_done(self, grads: Sequence[torch.Tensor | None]) -> None:
-        self._reshard_if_passed()
+        with hook_clock.timed(self, "Unit._inputs_done"):
+            self._reshard_if_passed()
 
     def _trainable_part_done(self) -> None:
         """The trainable part of this frozen part's module got its gradient."""
@@ -320,11 +322,10 @@ class Unit:
         part = self.part_of
         if part is not None and part.expects_grad and part.training_state is not TrainingState.POST_BACKWARD:
             return  # the module's backward goes on until its trainable part has its gradient
-        started = time.perf_counter()
-        self.reshard()
-        if self.training_state is TrainingState.PRE_BACKWARD:
-            self.training_state = TrainingState.IDLE  # another pass through the module gathers again
-        self.hook_seconds += time.perf_counter() - started
+        with hook_clock.timed(self, "Unit._reshard_if_passed"):  # nested in the trainable part's hook
+            self.reshard()
+            if self.training_state is TrainingState.PRE_BACKWARD:
+                self.training_state = TrainingState.IDLE  # another pass through the module gathers again
 
     def _stop_watching(self) -> None:
         for handle in self._input_hooks:
@@ -335,12 +336,15 @@ class Unit:
     # -- backward --------------------------------------------------------------------------------
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
+        with hook_clock.timed(self, "Unit._pre_backward"):
+            self._gather_for_backward()
+
+    def _gather_for_backward(self) -> None:
         self.engine.on_backward_hook()
         where.unit = self.index
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return
         self._expect("pre-backward", training=(TrainingState.IDLE,))
-        started = time.perf_counter()
         if self.sharded_state is ShardedState.UNSHARDED:
             check_unchanged(self)
         self.engine.prefetcher.before_unit(Pass.BACKWARD, self)
@@ -350,21 +354,19 @@ class Unit:
             # the module attributes again, with no forward hook of ours around it (the forward's views serve).
             self._install_views(self._forward_views)
         self.training_state = TrainingState.PRE_BACKWARD
-        self.hook_seconds += time.perf_counter() - started
 
     def _post_backward(self, leaf: torch.Tensor) -> None:
-        self._expect("post-backward", training=(TrainingState.IDLE, TrainingState.PRE_BACKWARD))
-        self.engine.on_backward_hook()
-        where.unit = self.index
-        started = time.perf_counter()
-        grad = leaf.grad
-        leaf.grad = None
-        self.reshard()  # the parameters are done with: freed before the reduction allocates its buffers
-        self.reduction.reduce(grad, self.engine.sync_mode, overlap=self.engine.overlap_grads)
-        self.training_state = TrainingState.POST_BACKWARD
-        self.hook_seconds += time.perf_counter() - started
-        if self.frozen_part is not None:
-            self.frozen_part._trainable_part_done()
+        with hook_clock.timed(self, "Unit._post_backward"):
+            self._expect("post-backward", training=(TrainingState.IDLE, TrainingState.PRE_BACKWARD))
+            self.engine.on_backward_hook()
+            where.unit = self.index
+            grad = leaf.grad
+            leaf.grad = None
+            self.reshard()  # the parameters are done with: freed before the reduction allocates its buffers
+            self.reduction.reduce(grad, self.engine.sync_mode, overlap=self.engine.overlap_grads)
+            self.training_state = TrainingState.POST_BACKWARD
+            if self.frozen_part is not None:
+                self.frozen_part._trainable_part_done()
 
     def finish_backward(self) -> None:
         """End of backward, from any state: reduce what no hook reduced, free the buffer, go back to IDLE."""

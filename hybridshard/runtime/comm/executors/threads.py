@@ -47,7 +47,7 @@ import torch
 
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.comm.executors.base import ExecutorBase, Finish, JobState
-from hybridshard.runtime.trace import position
+from hybridshard.runtime.trace import hook_clock, position
 
 if TYPE_CHECKING:
     from hybridshard.runtime.units.unit import Unit
@@ -76,6 +76,10 @@ class GradJob:
 
     def run(self) -> None:
         """On the communication thread: wait for the first collective, then do the rest."""
+        with hook_clock.thread_job("GradJob.run (thread)"):  # see [Note: one hook clock]
+            self._run()
+
+    def _run(self) -> None:
         if self.state is not JobState.ISSUED:
             return
         try:
