@@ -1,6 +1,6 @@
 """Host syncs on the device, per phase, against the emulator's count for the same configurations.
 
-Runs the steady-state steps (from the second one on) of ``tests/cuda_job.py``'s variants on one rank
+Runs the steady-state steps (from the second one on) of the CUDA job's variants (``benchmarks/tiny_lm.py``) on one rank
 and counts every host sync the runtime makes, by phase, two ways:
 
 - on CUDA, under ``torch.cuda.set_sync_debug_mode("warn")``: every synchronizing CUDA call warns, and
@@ -39,8 +39,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # 
 import hybridshard as hs  # noqa: E402
 from hybridshard.runtime.trace import host_syncs  # noqa: E402
 from hybridshard.runtime.trace.position import current_where  # noqa: E402
-from tests import cuda_job  # noqa: E402
-from tests import runtime_models as RM  # noqa: E402
+from benchmarks import tiny_lm as RM  # noqa: E402
 
 CONFIGS = {
     "hybrid fp32": ("HYBRID_SHARD", "fp32"),
@@ -122,9 +121,9 @@ class DeviceSyncs:
 
 def run(name: str, device: torch.device, groups: hs.ShardGroups) -> dict:
     strategy, variant = CONFIGS[name]
-    cfg = replace(cuda_job.config(strategy, variant), steps=STEPS)
+    cfg = replace(RM.variant_config(strategy, variant), steps=STEPS)
     emulated = device.type == "cpu"
-    model = cuda_job.sharded_model(cfg, groups, device, executor="emulate" if emulated else "streams")
+    model = RM.sharded_model(cfg, groups, device, executor="emulate" if emulated else "streams")
     opt = RM.make_optimizer(cfg, model.parameters())
     scaler = hs.ShardedGradScaler(device.type, init_scale=2.0**10) if cfg.fp16 else None
     tokens = [RM.batch(step, 0, 0, cfg.micro_batch).to(device) for step in range(STEPS)]

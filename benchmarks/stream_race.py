@@ -29,7 +29,7 @@ import torch.distributed as dist
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after an installed hybridshard
 
 import hybridshard as hs  # noqa: E402
-from tests import runtime_models as RM  # noqa: E402
+from benchmarks import tiny_lm as RM  # noqa: E402
 
 STEPS = 3
 

@@ -20,48 +20,23 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after an installed hybridshard
 
 import hybridshard as hs  # noqa: E402
 from hybridshard.runtime.trace.issue_order import record_issue_order  # noqa: E402
 from benchmarks.memory_job import STRATEGIES, memory_run  # noqa: E402
+from benchmarks.tiny_lm import VARIANTS, sharded_model, variant_config  # noqa: E402
 from tests import runtime_models as RM  # noqa: E402
 
-VARIANTS = ["fp32", "ckpt", "bf16", "fp16", "offload"]
 # CUDA and CPU kernels sum in different orders; TF32 is off, so fp32 differs by rounding only. The
 # low-precision variants step with SGD, whose update follows the gradient's size (AdamW's first
 # steps follow its sign, which rounding flips for gradients near zero).
 TOL = {"fp32": 1e-4, "ckpt": 1e-4, "offload": 1e-4, "bf16": 5e-3, "fp16": 5e-3}
-
-
-def config(strategy: str, variant: str) -> RM.Config:
-    base = RM.Config(strategy=strategy, steps=3)
-    return {
-        "fp32": base,
-        "ckpt": replace(base, checkpoint=True),
-        "bf16": replace(base, bf16=True, optimizer="sgd"),
-        "fp16": replace(base, bf16=True, fp16=True, optimizer="sgd"),
-        "offload": replace(base, offload=True, clip=1.0),
-    }[variant]
-
-
-def sharded_model(cfg: RM.Config, groups: hs.ShardGroups, device: torch.device,
-                  executor: str | None = None) -> nn.Module:
-    """The runtime tests' model, sharded on ``device`` as ``cfg`` says."""
-    model = RM.make_model(num_blocks=cfg.num_blocks)
-    model.checkpoint = cfg.checkpoint
-    mp = None
-    if cfg.bf16:
-        mp = hs.MixedPrecision(param_dtype=cfg.low_dtype, reduce_dtype=torch.float16 if cfg.fp16 else torch.float32)
-    return hs.shard(model, strategy=cfg.strategy, groups=groups, wrap={RM.Block}, device=device, mixed_precision=mp,
-                    offload=hs.CPUOffload() if cfg.offload else None, executor=executor)
 
 
 def run(cfg: RM.Config, groups: hs.ShardGroups) -> dict:
@@ -121,7 +96,7 @@ def main() -> None:
     }
     for strategy in STRATEGIES:
         for variant in VARIANTS:
-            cfg = config(strategy, variant)
+            cfg = variant_config(strategy, variant)
             got = run(cfg, groups)
             ref = RM.reference_run(cfg, dist.get_world_size())
             label = f"{strategy} {variant} rank {rank}"

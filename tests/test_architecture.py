@@ -231,6 +231,25 @@ def test_every_runtime_module_is_in_a_layer_and_every_layer_exists():
     assert not loose, f"runtime modules in no layer: {loose}"
 
 
+SCRIPT_DIRS = ("benchmarks", "examples", "launch")
+
+
+def _test_imports(path: pathlib.Path) -> list[int]:
+    """Lines of ``path`` that import ``tests`` or a module under it (``import tests.x``,
+    ``from tests import x``, ``from tests.x import y``), anywhere in the file."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if (isinstance(node, ast.Import) and any(a.name == "tests" or a.name.startswith("tests.") for a in node.names))
+            or (isinstance(node, ast.ImportFrom) and not node.level
+                and (node.module == "tests" or (node.module or "").startswith("tests.")))]
+
+
+def test_scripts_do_not_import_the_tests():
+    """benchmarks/, examples/ and launch/ stand without tests/: the tests may import them, not the reverse."""
+    found = [f"{path.relative_to(ROOT)}:{line}" for folder in SCRIPT_DIRS for path in sorted((ROOT / folder).rglob("*.py"))
+             for line in _test_imports(path)]
+    assert not found, "scripts import tests/; move what they need into benchmarks/ or the package:\n" + "\n".join(found)
+
+
 def test_executors_meet_the_protocol():
     from hybridshard.runtime.comm.executors.base import Executor
     from hybridshard.runtime.comm.executors.select import ExecutorKind, make_executor
