@@ -2,27 +2,20 @@
 
 [Note: managed replicate all-reduce]
 In fault-tolerant mode every replica group is its own torch.distributed job, so the runtime sees a
-replicate group of one rank: its reduce-scatter divides by the shard-group size only. The shard
-then goes to torchft's ``Manager.allreduce``, which sums it over the replica groups of the current
-quorum (shard rank ``j`` of every group, one communicator per shard rank) and divides by the
-number of participants. The result is the mean over the *live* replicas, which is the gradient of
-the effective batch (see docs/fault-tolerance.md). A replica that is still healing takes part
-with zeros and is not counted. A peer lost mid-collective does not raise here: the manager records
-the error and ``should_commit`` answers False on every replica of the step, so the optimizer does
-not step on a corrupt gradient and the next quorum leaves the lost peer out.
+replicate group of one rank: its reduce-scatter divides by the shard-group size only. The shard then
+goes to torchft's ``Manager.allreduce``, which sums it over the current quorum's replica groups
+(shard rank ``j`` of each, one communicator per shard rank) and divides by the participants: the
+mean over the *live* replicas, the gradient of the effective batch (docs/fault-tolerance.md). A
+healing replica takes part with zeros and is not counted. A peer lost mid-collective does not raise
+here: ``should_commit`` answers False on every replica of the step, so the optimizer does not step
+on a corrupt gradient, and the next quorum leaves the lost peer out.
 
-The all-reduce is issued from whichever thread reduces the replicate shards (the communication
-thread with ``overlap_grads``, else the hooks' thread), in unit order, like the plain replicate
-group's: one issue order per communicator (see [Note: one issue order per communicator]).
-
-Backward never blocks the host on it. torchft's process group is gloo, whose ``wait()`` blocks
-the host even for CUDA tensors (gloo's threads copy them, sum on the CPU and copy back), so the
-stream executor does not wait for it inside the all-reduce stream's job as it does for NCCL: the
-pending all-reduce is ``host_blocking`` and is waited by the compute stream's wait at the end of
-backward, after every unit was issued (gloo runs them meanwhile; see ``Fence.wait`` in
-:mod:`hybridshard.runtime.comm.executors.streams`). ``Manager.allreduce`` first waits for the step's quorum; the
-quorum is awaited at the end of the forward instead (:meth:`ManagedReplicate.quorum_ready`, from
-the model's forward hook), so inside backward that wait returns at once.
+It is issued by whichever thread reduces the replicate shards, in unit order ([Note: one issue
+order per communicator]). torchft's group is gloo, whose ``wait()`` blocks the host even for CUDA
+tensors, so the pending all-reduce is ``host_blocking``: the stream executor waits for it at the end
+of backward (``Fence.wait`` in :mod:`hybridshard.runtime.comm.executors.streams`), not inside the
+backward. The quorum ``Manager.allreduce`` waits for is awaited at the end of the forward
+(:meth:`ManagedReplicate.quorum_ready`), so inside backward that wait returns at once.
 """
 
 from __future__ import annotations

@@ -12,26 +12,20 @@ A one-node job with no rendezvous given uses a c10d store on a free local port, 
 
 [Note: restarts]
 ``--max-restarts N`` (and an elastic ``--nnodes MIN:MAX``, whose membership changes restart every
-worker too) needs two things from the rendezvous that the defaults do not give:
+worker too) needs two things the default rendezvous does not give:
 
-* Every agent must restart its workers, not only the agent whose worker died. With the static
-  rendezvous nothing tells the other agents; their workers fail on their next collective and the two
-  agents restart at unrelated times, each on its own count. With ``c10d``, the agent that restarts
-  joins a new rendezvous round and the others see it waiting and restart theirs as well (without
-  counting that as one of their own restarts, so ``TORCHELASTIC_RESTART_COUNT`` is a per-agent number
-  and must not be used to decide anything job-wide, such as whether to resume). So a job with
-  restarts uses ``c10d``, and asking for ``static`` with restarts is an error.
-* The restarted workers must not read the previous attempt's keys. Under torchrun, ``env://``
-  connects every worker to the agent's TCP store (``TORCHELASTIC_USE_AGENT_STORE``), and this torch
-  neither gives each attempt a key prefix nor a new store: both the static rendezvous and ``c10d``
-  (which shares one store server across rounds) hand the next attempt the same store with the same
-  keys. gloo's full-mesh connect then finds the old attempt's addresses under this attempt's keys
-  and connects to processes that are gone ("connection refused"), or, when the other node's workers
-  are still alive, to them. With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` the ``c10d`` rendezvous
-  publishes a new free port every round and rank 0's worker hosts a new store there, so every
-  attempt starts from an empty store; the launcher sets it whenever workers can restart. The cost:
-  that store lives in rank 0's process, so when rank 0 is the rank that died its peers cannot read
-  each other's fault reports (see [Note: naming the lost rank] in ``hybridshard/runtime/faults/errors.py``).
+* Every agent must restart its workers, not only the one whose worker died. With ``static`` nothing
+  tells the others, and agents restart at unrelated times, each on its own count. With ``c10d`` the
+  restarting agent joins a new round and the others see it and restart too (not counting it as one
+  of theirs: ``TORCHELASTIC_RESTART_COUNT`` is per agent, not job-wide, so nothing such as resuming
+  may depend on it). So restarts need ``c10d``; ``static`` with restarts is an error.
+* Restarted workers must not read the previous attempt's keys. Under torchrun every worker uses the
+  agent's TCP store, and this torch gives attempts neither a key prefix nor a new store, so gloo's
+  connect finds the old attempt's addresses ("connection refused", or the other node's live old
+  workers). With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (set by the launcher whenever workers can
+  restart) ``c10d`` publishes a new port every round and rank 0's worker hosts a new, empty store.
+  The cost: that store lives in rank 0's process, so when rank 0 dies its peers cannot read each
+  other's fault reports ([Note: naming the lost rank] in ``hybridshard/runtime/faults/errors.py``).
 """
 
 from __future__ import annotations

@@ -3,24 +3,18 @@ by default), and the opt-in check of every collective.
 
 [Note: step check]
 Ranks that run a different number of forwards or backwards, a different ``no_sync`` pattern, or
-units in a different order (a data-dependent branch, so that prefetching gathers other units) issue
-collectives that pair up by order: same-size ones silently mix unrelated tensors, the others fail
-or hang. Each forward (issued at the root's pre-hook, before any gather) and each backward (issued
-at its first hook, before any gather) reduces a fingerprint over the whole job: which pass, the
-step (syncing backwards so far), the forwards in this step, the ``no_sync`` mode, the number of
-units and a digest of the unit orders recorded so far. The checks always pair with each other (a
-forward's with a backward's when one rank ran an extra forward), so a difference raises a
-``ValueError`` naming what each rank was doing, before any gradient is reduced: no weight changes.
-Neither check stops the step to wait: the forward's reduction runs while the forward computes and
-is compared at the next check; the backward's runs while the first unit's backward computes and is
-compared before the backward's first gradient reduction (the gathers before it are all-gathers,
-which cannot reduce anything). Ranks out of step may meanwhile pair gathers wrongly; a collective
-that fails in that window first waits (up to 3 s) for the check in flight and raises its
-``ValueError`` instead, the cause rather than the consequence. A rank that skipped a whole step
-(forward included) cannot be told apart from the others until it finishes early; see [Note:
-finishing together] in :mod:`hybridshard.runtime.faults.exits`. Cost: two all-reduces of twelve integers per
-step, off the critical path (docs/runtime.md has the measured figure);
-``shard(..., check_steps=False)`` turns it off.
+units in a different order (a data-dependent branch) issue collectives that pair up by order:
+same-size ones silently mix unrelated tensors, the others fail or hang. Each forward (at the root's
+pre-hook) and each backward (at its first hook), before any gather, reduces a fingerprint over the
+job: the pass, the step, the forwards in this step, the ``no_sync`` mode, the number of units and a
+digest of the unit orders so far. The checks always pair with each other, so a difference raises a
+``ValueError`` naming what each rank was doing before any gradient is reduced. Neither check waits:
+the forward's is compared at the next check, the backward's before the backward's first gradient
+reduction (the gathers before it cannot reduce anything). A collective that fails meanwhile first
+waits (up to 3 s) for the check in flight and raises its ``ValueError``: the cause, not the
+consequence. A rank that skipped a whole step is found when it finishes early ([Note: finishing
+together] in :mod:`hybridshard.runtime.faults.exits`). Cost (docs/runtime.md): two small
+all-reduces per step, off the critical path; ``shard(..., check_steps=False)`` turns it off.
 
 [Note: step check at scale]
 The check is one fixed-size all-reduce (MAX) whatever the world size W: each of the six fields f goes
@@ -46,14 +40,12 @@ weight; the step in which ranks parted may itself have stepped. Nothing goes thr
 healthy step. On CPU the reduced tensor is host memory: compared at once, as the Note above says.
 
 [Note: debug agreement check]
-Ranks that run a different number of forwards or backwards in a step, or a different ``no_sync``
-pattern, issue different collectives; paired up by order they silently mix unrelated tensors of the
-same size or wait forever. With ``HYBRIDSHARD_DEBUG=1`` (or ``shard(..., debug=True)``), each
-collective is preceded by an all-gather of a small fingerprint in the same group: the kind, element
-count, dtype, and where the rank is (step, forward, phase, unit; see
-:mod:`hybridshard.runtime.trace.position`). The fingerprints always pair (same size), so a disagreement
-raises a ``ValueError`` on every member naming what each rank was doing. It doubles the number of
-collectives (each one tiny), so it is for finding such a bug, not for production runs.
+For the mismatches of [Note: step check] inside a step: with ``HYBRIDSHARD_DEBUG=1`` (or
+``shard(..., debug=True)``) each collective is preceded by an all-gather, in the same group, of a
+small fingerprint: the kind, element count, dtype and where the rank is (step, forward, phase, unit;
+:mod:`hybridshard.runtime.trace.position`). The fingerprints always pair (same size), so a
+disagreement raises a ``ValueError`` on every member naming what each rank was doing. It doubles the
+number of collectives (each one tiny): for finding such a bug, not for production runs.
 """
 
 from __future__ import annotations

@@ -15,30 +15,12 @@ A tensor of ``numel`` elements over ``R`` ranks is cut into ``R`` chunks of
 2. All-gather: the owner adds its phase-2 residual to the reduced chunk, quantizes it, keeps the
    new residual and all-gathers the quantized chunk; every rank dequantizes all ``R`` of them.
 
-Every rank ends with the same bytes dequantized by the same code: the results are bitwise equal
-across the group. With ``P`` bytes per quantized chunk (``2 chunk`` for bf16; ``chunk + 4 *
-ceil(chunk / block_size)`` for int8), the ring model counts ``(R-1) P`` for the all-to-all and
-``(R-1) P`` for the all-gather, against ``2 (R-1)/R * numel * 4`` for an fp32 all-reduce: about
-half for bf16, and for int8 a quarter times ``1 + 4 / block_size`` for the scales (1/64 more at
-256 values a block).
-
-int8 is symmetric per block of ``block_size`` values of a chunk (a chunk's last block may be
-shorter): ``q = round(x * 127 / max|x|)``, ``scale = max|x| / 127`` sent as fp32. A block
-holding a non-finite value dequantizes to NaN everywhere, so an overflow still shows in the
-gradient norm; residuals that are not finite are dropped (set to 0) so one bad step does not
-poison the next ones.
-
-Error bounds for one call with fresh residuals, element by element (``x_i``: rank ``i``'s input):
-
-- bf16: ``|result - sum x_i| <= 2^-7 * sum |x_i|`` (one rounding of 2^-8 relative in each phase);
-- int8: ``|result - sum x_i| <= sum_i amax_i / 127``, ``amax_i`` the largest ``|x_i|`` in the
-  element's block (half a step of ``amax_i / 127`` in phase 1 per rank, and half a step of the
-  reduced block's largest value, itself at most ``sum_i amax_i``, in phase 2); at most ``R *
-  max_i amax_i / 127``.
-
-With error feedback, repeated calls on the same inputs average to the exact sum with an error that
-falls as ``1 / calls``: over ``T`` calls the residuals carry what was not sent, so the sum of the
-results differs from ``T * sum x_i`` only by the last residuals.
+Every rank dequantizes the same bytes with the same code: the results are bitwise equal across the
+group. int8 is symmetric per block of ``block_size`` values of a chunk (the last block may be
+shorter): ``q = round(x * 127 / max|x|)``, ``scale = max|x| / 127`` sent as fp32. A block holding a
+non-finite value dequantizes to NaN everywhere, so an overflow still shows in the gradient norm;
+non-finite residuals are set to 0 so one bad step does not poison the next. Bytes sent and the
+error bounds: docs/runtime.md, "Compressed replicate all-reduce".
 """
 
 from __future__ import annotations

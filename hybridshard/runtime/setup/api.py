@@ -53,85 +53,46 @@ def shard(
     compile: bool | dict[str, Any] = False,
     **keywords: Any,
 ) -> nn.Module:
-    """Shard ``model`` in place and return it.
+    """Shard ``model`` in place and return it (extended with :class:`hybridshard.HybridShardModule`).
 
-    ``comm`` (:class:`~hybridshard.CommConfig`: ``prefetch``, ``overlap_grads``, ``replicate_compression``,
-    ``executor``), ``checks`` (:class:`~hybridshard.CheckConfig`: ``check_steps``, ``debug``) and ``init``
-    (:class:`~hybridshard.InitConfig`: ``sync_module_states``, ``param_init_fn``, ``init_seed``) group the
-    options below; each field may also be passed as a keyword of its own name, as before (docs/api.md).
-    :func:`hybridshard.shard` also extends the model's class with :class:`hybridshard.HybridShardModule`.
+    Collective over the default group: every rank calls it with the same model and arguments. The
+    options of ``comm``, ``checks`` and ``init`` may also be passed as keywords of their own names
+    (docs/api.md). After ``shard``, ``state_dict()`` / ``load_state_dict()`` raise a ``ValueError``
+    naming :func:`hybridshard.full_state_dict` ([Note: a state dict that cannot lie]), and so does a
+    conversion that would change a parameter, ``.half()`` say ([Note: converting a sharded model]).
 
-    ``strategy`` applies to the root unit and to every unit the ``wrap`` policy gives no strategy
-    of its own (see :mod:`hybridshard.runtime.units.wrap` for per-unit strategies). Units with a hybrid strategy
-    use ``groups``, a :class:`hybridshard.ShardGroups`; ``None`` means :func:`hybridshard.init_groups`
-    when any unit is hybrid. The other units always use the default group (FULL_SHARD /
-    SHARD_GRAD_OP shard over the whole job, NO_SHARD replicates over it), even when ``groups`` is
-    given. ``mesh`` is the alternative to ``groups``: a ``DeviceMesh``, 2-D with dims
-    ``("replicate", "shard")`` as FSDP2 takes it, or 1-D to shard over it (see [Note: meshes in] in
-    :mod:`hybridshard.topology.groups`); pass one of the two. Collective over the default group: every rank calls
-    it with the same model structure and arguments.
-
-    ``check_steps`` (on by default) compares every rank's step before each forward and backward, so
-    ranks that run different forwards/backwards, ``no_sync`` blocks or unit orders raise a
-    ``ValueError`` on every rank before any gradient is reduced; it costs two all-gathers of a few
-    integers per step (see [Note: step check] in :mod:`hybridshard.runtime.comm.agreement`).
-    ``debug=True`` (or ``HYBRIDSHARD_DEBUG=1``) also checks every collective, naming the unit and
-    collective where ranks part; it costs one tiny all-gather per collective.
-
-    Speed: ``prefetch`` is how many units are gathered ahead of the one computing, in forward and
-    backward (0 turns it off; see :mod:`hybridshard.runtime.units.prefetch`). ``overlap_grads`` leaves gradient
-    collectives running while backward goes on (see :mod:`hybridshard.runtime.comm.executors.threads`); results are the same
-    either way. ``replicate_compression="bf16"`` or ``"int8"`` quantizes the hybrid units' all-reduce
-    across the replicate group (with error feedback; shard-group traffic stays exact), halving or
-    quartering the inter-node bytes at some gradient precision; see :mod:`hybridshard.runtime.grads.compression`.
-
-    ``split_frozen``: a unit whose frozen parameters hold at least this fraction of its elements (and
-    that has trainable ones too) becomes two units over the same module, so that only the trainable
-    part builds and reduces a gradient (0 splits every unit that mixes the two, ``None`` none); see
-    [Note: frozen parts] in :mod:`hybridshard.runtime.units.wrap`.
-
-    ``executor``: who issues the collectives; ``"auto"`` (streams on CUDA, a communication thread
-    on CPU), ``"threads"``, ``"streams"`` (on CPU too, with no-op streams, to check its issuing
-    rules) or ``"emulate"`` (CPU: the stream executor on an emulated GPU that queues side streams,
-    follows NCCL's rules and fails a step that frees a buffer a stream still needs; see
-    [Note: emulated device] in :mod:`hybridshard.runtime.comm.executors.emulate`); ``None`` reads
-    ``HYBRIDSHARD_EXECUTOR``, else ``"auto"``. See
-    :mod:`hybridshard.runtime.comm.executors.select` and [Note: stream executor] in :mod:`hybridshard.runtime.comm.executors.streams`.
-
-    ``offload=hybridshard.CPUOffload()`` keeps the sharded parameters, their gradients and so the
-    optimizer state in (pinned) CPU memory, and the optimizer steps on the CPU; only gathered buffers
-    use the compute device. See [Note: CPU offload] in :mod:`hybridshard.runtime.units.offload`.
-
-    A model built under ``torch.device("meta")`` is materialised here one unit at a time: each rank
-    allocates only its shards (plus one unit while it is initialised), calling ``param_init_fn(module)``
-    or else ``module.reset_parameters()`` on each module, with the generator seeded from ``init_seed``
-    (default: rank 0's ``torch.initial_seed()``) and the module's name, so the values do not depend on the
-    topology (see [Note: deferred init] in :mod:`hybridshard.runtime.setup.deferred_init`).
-
-    ``shard_optimizer_across_replicas=True`` (hybrid strategies; "HSDP with the optimizer sharded
-    globally") keeps parameters for compute sharded inside the shard group but shards the optimizer
-    over the whole job: between steps each parameter is this rank's ``1 / (S * R)`` slice, so the
-    optimizer built after ``shard`` keeps state (and steps) for that slice only. Gradients are
-    reduce-scattered across the replicate group instead of all-reduced, and ``optimizer.step()``
-    all-gathers the updated slices across it (an optimizer step post-hook), at the same inter-node
-    bytes; after changing parameters other than through ``optimizer.step()``, call
-    :func:`hybridshard.gather_updated_params`. Under mixed precision the fp32 master is kept for the
-    slice only, the shard in ``param_dtype``. See [Note: optimizer state sharded across replicas] in
-    :mod:`hybridshard.runtime.optim.replica_slices`.
-
-    ``compile=True`` (or a dict of ``torch.compile`` keyword arguments, e.g. ``{"mode": "max-autotune"}``)
-    compiles the forward of each unit whose module holds no other unit (the blocks) after sharding, with the
-    runtime's hooks outside the compiled region; a module that holds other units (the root) stays eager and
-    calls the compiled blocks. ``torch.compile(model)`` of the whole sharded model is not supported. See
-    [Note: compiling units] in :mod:`hybridshard.runtime.setup.compile`.
-
-    After ``shard``, ``model.state_dict()`` and ``load_state_dict()`` raise a ``ValueError`` naming
-    :func:`hybridshard.full_state_dict` and the other calls that do the job (see [Note: a state dict
-    that cannot lie] in :mod:`hybridshard.runtime.setup.state_guard`).
-
-    After ``shard``, a conversion that would change a parameter (``model.to(torch.float16)``,
-    ``.half()``, ``.cuda()`` ...) raises a ``ValueError``; one that changes nothing works as before
-    (see [Note: converting a sharded model] in :mod:`hybridshard.runtime.engine`).
+    Args:
+        strategy: of the root unit and of every unit the ``wrap`` policy gives no strategy of its
+            own (per-unit strategies: :mod:`hybridshard.runtime.units.wrap`).
+        groups: a :class:`hybridshard.ShardGroups` for the hybrid units; ``None``: :func:`hybridshard.init_groups`
+            when any unit is hybrid. Other strategies always shard or replicate over the whole job.
+        mesh: instead of ``groups``, a ``DeviceMesh``: 2-D ``("replicate", "shard")`` as FSDP2
+            takes it, or 1-D to shard over ([Note: meshes in] in :mod:`hybridshard.topology.groups`).
+        wrap: which modules become units (a set of classes, ``{class: strategy}`` or a callable).
+        mixed_precision: a :class:`hybridshard.MixedPrecision` (compute and reduce dtypes), or ``None``.
+        device: the compute device; ``None``: the groups' device, else the current CUDA device, else the CPU.
+        offload: ``hybridshard.CPUOffload()``: master shards, gradients and optimizer state in (pinned)
+            CPU memory, the optimizer steps there ([Note: CPU offload]).
+        comm: :class:`~hybridshard.CommConfig`. ``prefetch``: units gathered ahead (0: off);
+            ``overlap_grads``: gradient collectives run on during backward (same results);
+            ``replicate_compression`` (``"bf16"``/``"int8"``); ``executor`` (below).
+        executor: ``"auto"`` (streams on CUDA, a thread on CPU), ``"threads"``, ``"streams"`` or
+            ``"emulate"`` ([Note: emulated device]); ``None`` reads ``HYBRIDSHARD_EXECUTOR``
+            (:mod:`hybridshard.runtime.comm.executors.select`).
+        checks: :class:`~hybridshard.CheckConfig`. ``check_steps`` (on): ranks out of step raise
+            before any gradient is reduced ([Note: step check]); ``debug=True`` (or
+            ``HYBRIDSHARD_DEBUG=1``) checks every collective too, one tiny all-gather each.
+        init: :class:`~hybridshard.InitConfig` (``sync_module_states``, ``param_init_fn``, ``init_seed``):
+            a meta-device model is materialised one unit at a time, each rank only its shards,
+            seeded by ``init_seed`` and module name ([Note: deferred init]).
+        split_frozen: a unit whose frozen parameters hold at least this fraction of its elements
+            becomes two units, only the trainable one reducing gradients (0: every mixed unit;
+            ``None``: none; [Note: frozen parts]).
+        shard_optimizer_across_replicas: hybrid strategies; the optimizer steps a ``1 / (S * R)``
+            slice per rank, gradients reduce-scattered across replicas and the updated slices
+            all-gathered after ``optimizer.step()`` ([Note: optimizer state sharded across replicas]).
+        compile: ``True`` or ``torch.compile`` keyword arguments: each block's forward is compiled,
+            the hooks outside; ``torch.compile(model)`` is not supported ([Note: compiling units]).
     """
     configs = split_keywords({"comm": comm, "checks": checks, "init": init}, keywords)
     comm, checks, init = configs["comm"], configs["checks"], configs["init"]

@@ -2,26 +2,22 @@
 
 [Note: deferred init]
 A model too large for one process is built on the meta device (shapes and dtypes, no storage) and
-handed to ``shard`` as it is. ``shard`` then goes through the units in order, and for the modules of
-one unit (those under the unit's module and not under another unit's, plus the module holding each
-of its parameters; a module split into a trainable and a frozen part is done once for both):
+handed to ``shard`` as it is. ``shard`` goes through the units in order, and for the modules of one
+unit (under its module and not under another unit's, plus the module holding each of its
+parameters; a trainable and frozen part are done once for both):
 
-1. gives every meta parameter of the unit a fresh, full-size tensor on the device (a new
-   ``nn.Parameter``, installed under every name that holds it, so tied parameters stay tied), and
-   every meta buffer of those modules one too;
-2. initialises each module, children before parents (as ``nn.Module.apply`` and Hugging Face's
-   ``init_weights`` do), with ``param_init_fn(module)`` when given, else ``module.reset_parameters()``
-   (the FSDP2 and torchtitan convention). Either must set the module's *own* parameters and buffers,
-   or those of its descendants when they all belong to the unit: a module holding none of its own
-   whose subtree is all in the unit and all meta is initialised too, after its children (Hugging
-   Face's GPT-2 scales its attention's and MLP's ``c_proj`` there);
-3. copies this rank's range of each parameter into the unit's master shard, after which the full
-   tensors are dropped (see ``build_unit``).
+1. gives every meta parameter a fresh full-size tensor on the device (a new ``nn.Parameter`` under
+   every name holding it, so ties hold), and every meta buffer of those modules one too;
+2. initialises each module, children before parents, with ``param_init_fn(module)`` when given,
+   else ``module.reset_parameters()`` (the FSDP2 and torchtitan convention). Either sets the
+   module's *own* tensors, or its descendants' when its subtree is all in the unit and all meta
+   (Hugging Face's GPT-2 scales its ``c_proj`` there);
+3. copies this rank's range of each parameter into the master shard and drops the full tensors.
 
-So a rank holds its shards plus one unit, never the model. The random generator is seeded before
-each module from the seed (``shard(init_seed=...)``, compared across ranks; by default rank 0's
-``torch.initial_seed()``) and the module's name, so the values depend on neither the rank nor the topology nor
-the wrap policy: :func:`materialize` gives the same model in one process, unsharded.
+So a rank holds its shards plus one unit, never the model. The generator is seeded before each
+module from ``shard(init_seed=...)`` (compared across ranks; by default rank 0's
+``torch.initial_seed()``) and the module's name, so the values depend on neither rank, topology nor
+wrap policy: :func:`materialize` gives the same model in one process, unsharded.
 """
 
 from __future__ import annotations

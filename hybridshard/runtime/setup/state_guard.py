@@ -2,29 +2,20 @@
 
 [Note: a state dict that cannot lie]
 Between steps every parameter of a sharded model holds, as ``.data``, a 1-D slice of its unit's
-master shard (see [Note: two kinds of views] in :mod:`hybridshard.runtime.units.flat_param`). The
-module's own ``state_dict()`` would return those slices under the full names: ``torch.save``,
-``save_pretrained`` or ``torch.distributed.checkpoint`` would write each rank's 1-D slice where a
-full tensor belongs, and ``load_state_dict`` of a full state dict would fail on shapes or, worse,
-copy the wrong elements. So ``shard`` makes both raise a ``ValueError`` on the model and on every
-submodule, naming the calls that do the job: :func:`hybridshard.full_state_dict` (collective, full
-tensors), :func:`hybridshard.load_full_state_dict`, :func:`hybridshard.save_checkpoint` /
-:func:`hybridshard.load_checkpoint` (sharded, any topology) and :func:`hybridshard.save_pretrained`.
+master shard ([Note: two kinds of views]). The module's own ``state_dict()`` would return those
+slices under the full names (``torch.save``, ``save_pretrained`` or DCP would write them where full
+tensors belong), and ``load_state_dict`` of a full state dict would fail on shapes or copy the wrong
+elements. So ``shard`` makes both raise a ``ValueError`` on the model and every submodule, naming
+:func:`hybridshard.full_state_dict`, :func:`hybridshard.load_full_state_dict`,
+:func:`hybridshard.save_checkpoint` / :func:`hybridshard.load_checkpoint` and
+:func:`hybridshard.save_pretrained`. It raises rather than gathers (FSDP1's default) because a
+gathering ``state_dict()`` is a collective, most often called on rank 0 only, which would hang.
 
-Why raise rather than gather collectively, as FSDP1 does by default: a gathering ``state_dict()`` is
-a collective that every rank must call, and the most common way to call it is on rank 0 only
-(``if rank == 0: model.save_pretrained(...)``), which would hang every rank. Raising is immediate
-and on the rank that made the call.
-
-``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``, ``set_model_state_dict``,
-``get_optimizer_state_dict``, ``set_optimizer_state_dict``) walks the model's parameters by name
-and, for the optimizer, never calls the model's ``state_dict()``: it would return the optimizer's
-per-element state as 1-D slices under full names. Those functions ask the root module's
-``_fqn_modifiers()`` (when it has one) for renamed keys while walking; ``shard`` gives the root one
-that raises the same ``ValueError``, so all four raise before reading anything.
-
-The runtime's own state code reads the module state dict through :func:`module_state_dict`, which
-lets the call through on this thread.
+``torch.distributed.checkpoint.state_dict``'s four functions walk parameters by name and never call
+the model's ``state_dict()``, but ask the root's ``_fqn_modifiers()`` for renamed keys: ``shard``
+gives the root one that raises the same ``ValueError``, so they raise before reading anything. The
+runtime's own state code reads through :func:`module_state_dict`, which lets the call through on
+this thread.
 """
 
 from __future__ import annotations

@@ -2,33 +2,24 @@
 
 [Note: CPU offload]
 With ``shard(..., offload=hs.CPUOffload())`` each unit's master shard lives in CPU memory (pinned
-when CUDA is present, so copies to the GPU run asynchronously), and so do the original parameters
-(views of it), their ``.grad`` and therefore the optimizer's state: ``optimizer.step()`` runs on the
-CPU. Only gathered buffers and the gradients in flight use the GPU. The steps change like this:
+when CUDA is present, so copies to the GPU run asynchronously), and so do the parameters (views of
+it), their ``.grad`` and so the optimizer's state: ``optimizer.step()`` runs on the CPU.
 
-* gather: the shard is copied to the GPU (and cast to the compute dtype) ahead of its all-gather, on
-  the copy stream: when unit ``k`` starts, the prefetcher issues the all-gathers of ``k+1 ..
-  k+prefetch`` and *stages* the next unit's shard (:func:`stage`), so its host-to-device copy runs on
-  the copy engine while the all-gathers use the links and unit ``k`` computes. The all-gather stream
-  waits on the copy's event before reading it, and the staged buffer is recorded on that stream, so
-  the allocator does not hand it out again before the all-gather read it. A staged copy is used only
-  if the master did not change since (its version counters are compared, as in [Note: stale
-  gathers] of :mod:`hybridshard.runtime.units.unit`); a stale or unused one is dropped at the end of the
-  pass. The copy only reads the master, so dropping one still in flight is harmless. A unit with no
-  staged copy (the first ones, prefetch off) copies right before its all-gather, on the all-gather
-  stream;
-* reduction: unchanged on the GPU; each reduced shard is then copied into pinned host memory
-  without blocking (``FlatParam.accumulate_grad_shard``), in unit order, on the compute stream.
-  At the end of backward the host waits once, on an event recorded after the last of them (:func:`arrived`), and only then
-  adds them into the flat gradient shards the parameters' ``.grad`` view: the optimizer, which steps
-  on the CPU, never reads a gradient still on its way, and every copy out of the master shard queued
-  before that event has finished too. One sync a step instead of one per unit (a blocking copy
-  each); it is the documented exempt sync of offload on the emulated device (see [Note: counting
-  host syncs] in :mod:`hybridshard.runtime.trace.host_syncs`).
+* gather: when unit ``k`` starts, the prefetcher issues the all-gathers of ``k+1 .. k+prefetch`` and
+  *stages* the next unit's shard (:func:`stage`: copied to the GPU and cast, on the copy stream),
+  which the all-gather stream waits for by event; the staged buffer is recorded on that stream so
+  the allocator does not hand it out before the all-gather read it. A staged copy is used only if
+  the master's version counters did not change since ([Note: stale gathers]); a stale or unused one
+  is dropped at the end of the pass (it only reads the master). With no staged copy the copy runs
+  right before the all-gather, on its stream.
+* reduction: unchanged on the GPU; each reduced shard is copied into pinned host memory without
+  blocking, in unit order, on the compute stream. At the end of backward the host waits once, on an
+  event after the last copy (:func:`arrived`), then adds them into the flat gradient shards: the
+  optimizer never reads a gradient still on its way. One sync a step, the documented exempt sync of
+  offload ([Note: counting host syncs] in :mod:`hybridshard.runtime.trace.host_syncs`).
 
-On a CPU device the master is already in CPU memory: offloading changes nothing but when the
-all-gather's input is made (a cast under mixed precision happens when the unit is staged), which is
-what the CPU tests check, staging and its version check included.
+On a CPU device the master already lives in CPU memory: offloading changes only when the
+all-gather's input is made (cast when staged), which the CPU tests check, version check included.
 """
 
 from __future__ import annotations

@@ -16,22 +16,17 @@ enclosing unit, and a parameter used by modules of two units (tied across units)
 root unit, which stays gathered for the whole forward and backward.
 
 [Note: frozen parts]
-A unit that mixes frozen and trainable parameters (a frozen base ``Linear`` with small trainable
-LoRA adapters in one block) would build, reduce and keep a gradient for its whole padded flat
-buffer, zeros included. :func:`split_frozen` makes such a unit two units over the same module: the
-trainable parameters keep the unit's name and reduce gradients as any unit does; the frozen ones
-form ``"<name>[frozen]"``, placed right after it, which never builds a gradient and is freed as soon
-as backward is done with the module (see [Note: resharding frozen units early] in
-:mod:`hybridshard.runtime.units.unit`). Both register their hooks on the module, in that order, so one
-call gathers both and a ZeRO-3 forward frees both; prefetching the trainable part gathers the frozen
-part too (the prefetch depth counts modules, as before the split); the root's frozen part stays
-gathered into backward like the root. The split costs one more all-gather per gather of the module,
-so it is made only where the frozen parameters hold at least ``threshold`` of the unit's elements
-(``shard``'s ``split_frozen``, 0.5 by default: the gradient bytes saved are then at least those
-still reduced); a unit with a few frozen elements (a gate, a frozen norm) stays whole. Names, state
-dicts, optimizer state and checkpoints are per parameter and do not see the split. A frozen
-parameter unfrozen after ``shard`` gets its gradient through its frozen part, whose flat leaf
-requires grad like every unit's.
+A unit mixing frozen and trainable parameters (a frozen base ``Linear`` with LoRA adapters) would
+build, reduce and keep a gradient for its whole flat buffer. :func:`split_frozen` makes it two units
+over the same module: the trainable parameters keep the unit's name; the frozen ones form
+``"<name>[frozen]"``, right after it, which builds no gradient and is freed as soon as backward is
+done with the module ([Note: resharding frozen units early] in :mod:`hybridshard.runtime.units.unit`).
+Both hook the module, in that order, so one call gathers both, a ZeRO-3 forward frees both, and
+prefetch depth still counts modules. The split costs one more all-gather per gather, so it is made
+only where frozen parameters hold at least ``threshold`` of the unit's elements (``split_frozen``,
+0.5 by default: the gradient bytes saved are then at least those still reduced). Names, state dicts
+and checkpoints are per parameter and do not see the split; a frozen parameter unfrozen after
+``shard`` gets its gradient through its frozen part, whose flat leaf requires grad like every unit's.
 """
 
 from __future__ import annotations

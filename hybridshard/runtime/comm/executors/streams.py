@@ -1,41 +1,25 @@
 """The stream executor: every collective issued by the thread running the hooks, overlap by CUDA streams.
 
 [Note: stream executor]
-On CUDA with NCCL a communicator runs its kernels in enqueue order, so the order in which host
-threads enqueue is the order the device runs (see [Note: one issue order per communicator] in
-:mod:`hybridshard.runtime.trace.issue_order`). This executor therefore issues every collective of a
-unit from the thread that runs the unit's hooks (the main thread in forward, autograd's device
-thread in backward; only one of them runs hooks at a time), in the order the hooks run, which the
-model fixes and every rank shares. Overlap comes from streams, not threads:
+NCCL runs a communicator's kernels in enqueue order ([Note: one issue order per communicator]), so
+every collective of a unit is issued from the thread running its hooks, in the order the hooks run,
+which every rank shares. Overlap comes from streams, not threads:
 
-* an all-gather runs on the all-gather stream, which first waits for everything the compute stream
-  queued so far (the buffer's memory, the optimizer's last update of the master shard). The
-  output is the unit's flat unsharded buffer itself, so no copy-out follows. The unit's wait is
-  the compute stream waiting on an event recorded after the gather: the host never blocks;
-* a gradient's reduce-scatter (or NO_SHARD's all-reduce) runs on the reduce-scatter stream, after
-  the compute stream's work that produced the gradient; the fp16 pre-divide runs there too;
-* the rest (scale, add what ``no_sync`` held, the replicate all-reduce, compressed or not) runs on
-  the all-reduce stream, which waits on the reduce-scatter's event, so the inter-node all-reduce of
-  one unit runs while the next unit's reduce-scatter and all-gather use the intra-node links;
-* at the end of backward the compute stream waits on every unit's last event before any ``.grad``
-  is touched.
+* an all-gather runs on the all-gather stream, after all the compute stream queued so far, straight
+  into the unit's flat buffer; the unit's wait is the compute stream waiting on its event;
+* a gradient's reduce-scatter (or NO_SHARD's all-reduce, the fp16 pre-divide) runs on the
+  reduce-scatter stream, after the compute that produced the gradient;
+* the rest (scale, what ``no_sync`` held, the replicate all-reduce) runs on the all-reduce stream,
+  after the reduce-scatter's event: one unit's inter-node all-reduce overlaps the next one's
+  intra-node collectives; at the end of backward the compute stream waits on every last event.
 
-A collective issued on a side stream is waited on that stream right away (NCCL's ``wait()`` makes
-the *current* stream wait and returns), and an event recorded after it marks its end: a
-:class:`Fence`. One whose ``wait()`` blocks the host (``host_blocking``: fault-tolerant mode's
-gloo all-reduce) is waited by the fence's own ``wait`` instead, where its result is needed. Tensors a side stream reads or writes stay referenced until an event the compute
-stream waited on covers them: the unsharded gradient until the next unit's post-backward hook
-(the compute stream waits on its reduce-scatter event, then lets it go; so at most two unsharded
-gradients are alive on the device, as on CPU), the shards (the first collective's output, which
-the all-reduce stream reads, as well as what it returns: they differ when the optimizer is sharded
-across replicas), what ``no_sync`` held and the compression's inputs until the end of backward. Memory freed after such a wait is reused only in
-stream order after it (the caching allocator reuses a block on the stream it was allocated on, and
-every buffer here is allocated on the compute stream or, for temporaries, on the side stream that
-uses it).
-
-On CPU (gloo) streams are no-ops and a :class:`Fence` is the collective's :class:`Pending`: the
-same issuing rules run, with waits that block the host. ``shard(..., executor="streams")`` or
-``HYBRIDSHARD_EXECUTOR=streams`` runs them there, which is how the CPU test suite checks them.
+A side-stream collective is waited on its stream at once, and an event after it marks its end: a
+:class:`Fence` (``host_blocking``, fault-tolerant mode's gloo all-reduce, is waited where its result
+is needed). What a side stream reads or writes stays referenced until the compute stream waited on
+an event covering it (the unsharded gradient until the next unit's post-backward hook: at most two
+alive; shards, held gradients and compression inputs until the end of backward), and every buffer is
+allocated on the stream that uses it, so freed memory is reused only in stream order. On CPU streams
+are no-ops and a :class:`Fence` is the :class:`Pending`: ``executor="streams"`` tests the same rules.
 """
 
 from __future__ import annotations

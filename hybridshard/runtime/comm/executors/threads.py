@@ -1,39 +1,25 @@
 """The asynchronous gradient path: reduce each unit's gradient while backward goes on.
 
 [Note: overlapped gradient reduction]
-A unit's post-backward hook hands its unsharded gradient to :class:`ThreadExecutor` and returns, so the
-autograd engine moves on to the next unit's backward while the gradient travels:
+A unit's post-backward hook hands its unsharded gradient to :class:`ThreadExecutor` and returns, so
+autograd moves on to the next unit's backward while the gradient travels:
 
-* the reduce-scatter inside the shard group is issued at once, asynchronously, by the hook's own
-  (main) thread, so every shard-group collective - prefetching all-gathers included - is issued in
-  the same order on every rank;
-* for a hybrid unit, what depends on that reduce-scatter (scale by 1/world, add what ``no_sync``
-  held, issue the all-reduce across the replicate group; a compressed one runs there to the end)
-  runs on one communication thread per process, in submission order. The thread moves on to the
-  next unit as soon as it issued an all-reduce, so each unsharded gradient is dropped as soon as its
-  reduce-scatter is done. During a backward only that thread touches replicate groups, so
-  their collectives too are issued in the same order everywhere; the inter-node all-reduce then
-  overlaps the backward compute of the units that come next.
-* a non-hybrid unit needs one collective (a reduce-scatter over the world, or an all-reduce for
-  NO_SHARD), which the hook issues asynchronously: the world group may be another unit's shard
-  group, so its collectives are only ever issued by the main thread. The thread just waits for it,
-  drops the unsharded gradient and scales the shard.
+* the hook's (main) thread issues the shard-group reduce-scatter at once, asynchronously, so every
+  shard-group collective (prefetching all-gathers included) is issued in the same order on every rank;
+* for a hybrid unit, the rest (scale by 1/world, add what ``no_sync`` held, the replicate
+  all-reduce, compressed or not) runs on one communication thread per process, in submission order;
+  during a backward only it touches replicate groups, so their order is the same everywhere too,
+  and the inter-node all-reduce overlaps the next units' backward compute;
+* a non-hybrid unit's one collective (world reduce-scatter, or NO_SHARD's all-reduce) is issued by
+  the hook too (the world may be another unit's shard group); the thread waits for it and scales.
 
-:meth:`ThreadExecutor.drain` runs in the end-of-backward callback, before any reduction the hooks did
-not start: it waits for every job in submission order and only then adds each reduced shard to
-``.grad``, on the main thread. So no gradient is read before its collectives finished, and the
-arithmetic is the synchronous path's, in the same order: the results are bitwise identical.
-The unsharded gradient of a unit stays alive until its reduce-scatter completed: the job holds it,
-and the thread drops it (with the receive buffer) as soon as that collective is done. The next
-unit's post-backward hook bounds it: before it issues its own reduce-scatter it waits for the
-previous one (which had that unit's whole backward to finish) and drops that gradient if the thread
-has not. So at most two unsharded gradients are alive at once, the one in flight and the one just
-computed, however far the thread lags. The hook frees the unit's gathered parameters before any of
-this (see ``Unit._post_backward``): the reduction's buffers take their place.
-
-This is the thread executor, for CPU tensors on gloo, where ``wait()`` blocks the host. It must not
-run NCCL: its replicate all-reduces race the hooks' collectives to the device. CUDA uses the stream
-executor instead (see [Note: stream executor] in :mod:`hybridshard.runtime.comm.executors.streams`).
+:meth:`ThreadExecutor.drain` (end-of-backward callback) waits for every job in submission order and
+only then adds each reduced shard to ``.grad`` on the main thread: the arithmetic and its order are
+the synchronous path's, bitwise. A job drops its unsharded gradient once its reduce-scatter is done,
+and the next unit's hook waits for that reduce-scatter before issuing its own: at most two unsharded
+gradients are alive however far the thread lags. For CPU tensors on gloo only (``wait()`` blocks the
+host); with NCCL its replicate all-reduces would race the hooks' collectives to the device, so CUDA
+uses [Note: stream executor] (:mod:`hybridshard.runtime.comm.executors.streams`).
 """
 
 from __future__ import annotations
