@@ -2,23 +2,17 @@
 
 [Note: hang report]
 Every collective the runtime issues is registered here while in flight (kind, group, elements,
-where the rank was, since when), until it completes: a blocking one until it returns, an
-asynchronous one until its handle says it completed (on NCCL that is when the device finished it,
-not when ``wait()`` returned). One daemon thread per process, started with the first sharded
-model, wakes about once a second and
+where the rank was, since when): a blocking one until it returns, an asynchronous one until its
+handle says it completed (on NCCL: when the device finished it). One daemon thread per process,
+started with the first sharded model, wakes about once a second and
 
-- writes this rank's heartbeat: where it is, from the registry and :mod:`hybridshard.runtime.trace.position`,
-  even while the main thread is blocked in a collective (see [Note: heartbeats] in
-  :mod:`hybridshard.runtime.faults.peers`);
-- when a collective of this rank has been in flight longer than :func:`hang_seconds` (the
-  ``HYBRIDSHARD_HANG_SECONDS`` environment variable, 300 by default: well below the process
-  group's timeout, 30 minutes by default), asks every rank and logs one table naming where each
-  rank is, once per stuck collective. A collective issued on some ranks only (``full_state_dict``
-  under ``if rank == 0``, say) is then named within that time on gloo and NCCL alike, instead of
-  failing silently at the timeout;
-- when a collective of this rank has been in flight longer than :func:`fault_seconds` and a rank of
-  its group raised, left or is lost, logs why and stops the process (see [Note: a stuck collective
-  with a lost peer] in :mod:`hybridshard.runtime.faults.errors`).
+- writes this rank's heartbeat ([Note: heartbeats] in :mod:`hybridshard.runtime.faults.peers`),
+  even while the main thread is blocked in a collective;
+- once a collective has been in flight longer than :func:`hang_seconds` (``HYBRIDSHARD_HANG_SECONDS``,
+  300 by default, well below the process group's timeout), asks every rank and logs one table of
+  where each is, once per stuck collective: a collective issued on some ranks only is named then;
+- once it has been in flight longer than :func:`fault_seconds` and a rank of its group raised, left
+  or is lost, logs why and stops the process ([Note: a stuck collective with a lost peer]).
 """
 
 from __future__ import annotations
