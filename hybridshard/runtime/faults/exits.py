@@ -3,22 +3,18 @@ that the others finished the same steps.
 
 [Note: finishing together]
 A rank that skipped a whole step (forward included) runs the same collectives as the others, one
-step ahead in the data, until it runs out of steps: nothing in the step can tell. So when a process
-that trained a sharded model exits, it publishes ``rank R finished after S steps`` in the job's store
-and waits (at most ``HYBRIDSHARD_EXIT_WAIT`` seconds, 10 by default) until every rank finished,
-raised, or is found blocked in a collective (read as in [Note: heartbeats] in
-:mod:`hybridshard.runtime.faults.peers`). Every rank finished after the same steps: it exits as it was
-going to. Others finished after other step counts, or are still blocked in a training collective:
-it logs which ranks are where and exits with status 1, and once it is gone the blocked ranks'
-collectives fail naming it (``rank 1 finished after 4 steps and left, while rank 0 was still
-training ...``). Ranks that are still running but in no collective (rank 0 evaluating alone, say)
-are not waited for past the limit, nor are ranks whose collective has been in flight for less than
-``BLOCKED_SECONDS`` (on NCCL a rank whose GPU is still finishing its last step shows one).
+step ahead in the data, until it runs out of steps: nothing in the step can tell. So a process that
+trained a sharded model publishes ``rank R finished after S steps`` in the job's store at exit and
+waits (at most ``HYBRIDSHARD_EXIT_WAIT`` seconds, 10 by default) until every rank finished, raised,
+or is blocked in a collective ([Note: heartbeats] in :mod:`hybridshard.runtime.faults.peers`). All
+after the same steps: it exits as it was going to. Otherwise it logs which ranks are where and exits
+with status 1, and the blocked ranks' collectives then fail naming it. Ranks running outside any
+collective (rank 0 evaluating alone), or in one for less than ``BLOCKED_SECONDS`` (a GPU finishing
+its last step), are not waited for past the limit.
 
-An uncaught exception (in the main thread or any other) is published as ``rank R raised
-ValueError: ...`` before the process dies, so the peers' failing collectives lead with it, and is
-written to torchrun's error file for the launcher's summary (see [Note: run directory] in
-:mod:`hybridshard.launcher.runlog`).
+An uncaught exception (in any thread) is published as ``rank R raised ValueError: ...`` before the
+process dies, so the peers' failing collectives lead with it, and is written to torchrun's error
+file for the launcher's summary ([Note: run directory] in :mod:`hybridshard.launcher.runlog`).
 """
 
 from __future__ import annotations
