@@ -1,37 +1,31 @@
 """Faults between ranks: every error says first which rank did what, then the details.
 
 [Note: naming the lost rank]
-When a rank dies (killed, or raised and exited), its peers' pending collective fails: at once with
-gloo ("connection reset by peer"), after the process group's timeout with NCCL or when the rank is
-alive but elsewhere. The backend's message names an address at best. So a rank whose collective
-failed reads where every rank is from the job's store (see [Note: heartbeats] in
-:mod:`hybridshard.runtime.faults.peers`) and builds its error from what they say, cause first:
+When a rank dies, its peers' pending collective fails (at once on gloo, after the process group's
+timeout on NCCL), and the backend's message names an address at best. So a rank whose collective
+failed reads where every rank is from the job's store ([Note: heartbeats] in
+:mod:`hybridshard.runtime.faults.peers`) and leads its error with the cause:
 
-- a rank that raised (one of the runtime's errors, :func:`announce`, or any uncaught exception, see
-  :mod:`hybridshard.runtime.faults.exits`): ``rank 1 raised ValueError: a bad batch``;
-- a rank that finished its training and left: ``rank 1 finished after 4 steps and left ...``;
+- a rank that raised (:func:`announce`, or an uncaught exception, :mod:`hybridshard.runtime.faults.exits`):
+  ``rank 1 raised ValueError: a bad batch``;
+- a rank that finished and left: ``rank 1 finished after 4 steps and left ...``;
 - ranks that answer nothing: ``rank 1 was lost (killed, crashed or hung ...)``;
 - every rank alive: the ranks issued different collectives, or the network failed.
 
-The first line says that; then every rank's answer, one line each; then what to do; the backend's
-own text comes last. All of this runs on the failure path only. When workers can restart, the store
-lives in rank 0's process (see [Note: restarts] in hybridshard/launcher/settings.py); if rank 0 is
-the lost one, nothing can be read and the error says so instead of naming every rank.
+Then every rank's answer, one line each, what to do, and the backend's text last (failure path
+only). If the store lived in a lost rank 0 ([Note: restarts] in hybridshard/launcher/settings.py),
+the error says that nothing can be read.
 
 [Note: a stuck collective with a lost peer]
-Some failures raise nothing where the collective was issued. On NCCL ``wait()`` returns at once and
-a collective whose peer died or hung stays queued on the device until the process group's timeout
-(10 minutes by default), when NCCL's own watchdog stops the process with an address at best (see
-[Note: NCCL faults] in hybridshard/launcher/settings.py); on gloo a peer that hangs without closing
-its sockets (a frozen node, a stopped process) holds the others just as long. So the runtime's
-watchdog thread (:mod:`hybridshard.runtime.faults.watchdog`) looks at every collective of this rank still
-in flight after ``HYBRIDSHARD_FAULT_SECONDS`` (60 by default; 0 turns it off) and asks every rank
-where it is, once per collective. When every rank of the collective's group beats, nothing
-happens (a slow collective, or a peer busy elsewhere: the hang report comes later). When one of
-them raised, left, or its heartbeat stood still twice (3 s, then 9 s more), the rank logs the same message a
-failing collective raises (cause first, every rank's answer, what to do), publishes that it failed,
-and stops with status 1: the launcher then stops or restarts the job, minutes before the timeout,
-and every rank's log names the lost one.
+Some failures raise nothing where the collective was issued: on NCCL a collective whose peer died
+or hung stays queued until the process group's timeout ([Note: NCCL faults] in
+hybridshard/launcher/settings.py), and on gloo a peer that hangs with its sockets open holds the
+others as long. So the watchdog thread (:mod:`hybridshard.runtime.faults.watchdog`) asks every rank
+where it is, once per collective still in flight after ``HYBRIDSHARD_FAULT_SECONDS`` (60 by default;
+0: off). Every rank of the group beating: nothing happens (the hang report comes later). One that
+raised, left, or whose heartbeat stood still twice (3 s, then 9 s more): the rank logs the message a
+failing collective raises, publishes that it failed and stops with status 1, minutes before the
+timeout, so the launcher stops or restarts the job and every log names the lost rank.
 """
 
 from __future__ import annotations
