@@ -2,29 +2,23 @@
 
 [Note: entry point on some ranks only]
 ``if rank == 0: hs.full_state_dict(model)`` then ``dist.barrier()`` leaves every rank blocked, each
-in a different collective, until the process group's timeout; every rank is alive, so the fault
-check (see [Note: a stuck collective with a lost peer] in :mod:`hybridshard.runtime.faults`) finds
-nothing. So the watchdog thread follows the main thread (see [Note: blocked in a collective] in
+in a different collective, until the timeout; every rank is alive, so the fault check ([Note: a
+stuck collective with a lost peer] in :mod:`hybridshard.runtime.faults.errors`) finds nothing. So
+the watchdog thread follows the main thread ([Note: blocked in a collective] in
 :mod:`hybridshard.runtime.trace.entry_points`), and
 
-- once it has been blocked for :func:`publish_seconds` (a few seconds), publishes one small record
-  under ``hybridshard/blocked/<rank>`` (the entry points it is in with their sequence numbers, the
-  collective, the user's file and line, since when), and ``{"blocked": false}`` once it moves on:
-  at most two store writes per long wait, none on a job whose collectives return quickly;
-- once it has been blocked for :func:`mismatch_seconds` (``HYBRIDSHARD_MISMATCH_SECONDS``, 30 by
-  default; 0 or less: never), reads every rank's record (one ``check`` and one ``multi_get``) every
-  :func:`check_every` seconds. When every rank is blocked, each for at least that long, some inside
-  an entry point and the others in a *different* call (another entry point, another call of the
-  same one, or none: the user's barrier), and the next reading finds the same, the rank votes for
-  that reading (a counter named by its digest). Once every rank has voted for it, every rank logs
-  the same message (the call, the ranks in it, the others and where each is), waits until every
-  rank has logged it, publishes that it failed and stops with status 1, as the fault check stops a
-  job. A rank that moved on never votes, even if a stale record of it was read.
+- once it is blocked for :func:`publish_seconds` (a few seconds), publishes a small record under
+  ``hybridshard/blocked/<rank>`` (entry points with sequence numbers, collective, user's file and
+  line, since when), and ``{"blocked": false}`` once it moves on: at most two writes per long wait;
+- once blocked for :func:`mismatch_seconds` (``HYBRIDSHARD_MISMATCH_SECONDS``, 30 by default; <= 0:
+  never), reads every record every :func:`check_every` seconds. When every rank is blocked that
+  long, some in an entry point and the others in a *different* call, and the next reading agrees,
+  the rank votes for that reading (a counter named by its digest). Once all voted, every rank logs
+  the same message (the call, who is in it, where the others are), waits until all logged it,
+  publishes that it failed and stops with status 1. A rank that moved on never votes.
 
-A rank running anywhere else (computing, sleeping, stalled outside any collective) has no blocked
-record, so a rank that is merely late is never reported, however long it takes. Blocked times are
-compared as ``time.time()`` across hosts, so clock skew (normally well under a second with NTP)
-shifts the limit by that much.
+A rank outside any collective (computing, stalled) has no blocked record, so a late rank is never
+reported. Blocked times are compared as ``time.time()`` across hosts: clock skew shifts the limit.
 """
 
 from __future__ import annotations
