@@ -3,26 +3,15 @@
 [Note: emulated device]
 On CPU the stream executor's streams are no-ops and a gloo collective keeps its tensors alive and
 runs before ``wait()`` returns, so a buffer freed while a side stream still reads it, or a wait in
-the wrong place, never shows. ``shard(..., executor="emulate")`` (or ``HYBRIDSHARD_EXECUTOR=emulate``)
-runs the stream executor's code over :class:`EmulatedStreams` instead, with these rules:
-
-* each side stream is a queue. Every operation issued while one is current (inside
-  ``StreamSet.side``) is queued, not run: torch ops are caught below autograd by a dispatch mode
-  (views and allocations happen at once, as on a device; the other ops get their outputs allocated
-  from a meta run and are filled when they run), collectives by :mod:`hybridshard.runtime.comm.collectives`.
-  Queued work runs as late as events allow: when a stream, or the host, waits on an event recorded
-  after it, when the host reads a value on that stream, or at the end of the step (the root's next
-  forward). Compute work runs on the host, in host order;
-* a collective's ``wait()`` returns at once and the "backend" drops its references then (NCCL
-  since torch 2.7); the collective stays registered in flight (the watchdog) until it ran;
-* the emulator holds every buffer a queued operation touches, so nothing is reused, and when the
-  operation runs it checks each one by identity (the storage, never the values): a buffer whose
-  storage was freed or regrown since it was queued, or whose only remaining references are the
-  emulator's, was released by the runtime while a stream still needed it. The step then fails with
-  :class:`DeviceFault` naming the unit, the buffer and the stream. A buffer allocated on the same
-  stream is exempt: the caching allocator reuses it only in that stream's order.
-
-What it proves and what it cannot is in docs/runtime.md ("The emulated device").
+the wrong place, never shows. ``executor="emulate"`` (or ``HYBRIDSHARD_EXECUTOR=emulate``) runs the
+stream executor over :class:`EmulatedStreams`: each side stream is a queue (torch ops caught below
+autograd by a dispatch mode, collectives by :mod:`hybridshard.runtime.comm.collectives`) that runs
+as late as events allow; a collective's ``wait()`` returns at once and drops the backend's
+references (NCCL since torch 2.7); every buffer a queued operation touches is held and, when it
+runs, checked by identity (never by value): one freed, regrown, or referenced only by the emulator
+was released too early, and the step fails with :class:`DeviceFault` naming the unit, the buffer
+and the stream (buffers allocated on the same stream are exempt). The full model, what it proves
+and what it cannot: docs/runtime.md ("The emulated device").
 """
 
 from __future__ import annotations
