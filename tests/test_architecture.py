@@ -10,6 +10,7 @@ import ast
 import functools
 import inspect
 import pathlib
+import re
 
 import pytest
 import torch
@@ -248,6 +249,67 @@ def test_scripts_do_not_import_the_tests():
     found = [f"{path.relative_to(ROOT)}:{line}" for folder in SCRIPT_DIRS for path in sorted((ROOT / folder).rglob("*.py"))
              for line in _test_imports(path)]
     assert not found, "scripts import tests/; move what they need into benchmarks/ or the package:\n" + "\n".join(found)
+
+
+MAX_NOTE_LINES = 20
+_NOTE_HEADING = re.compile(r"\[Note: [^\]]+\]")
+
+
+def _note_blocks(path: pathlib.Path) -> list[tuple[str, int, int]]:
+    """``(heading, first line, number of lines)`` of every note block in ``path``. A block is measured
+    in source lines, heading included, trailing blank lines not:
+
+    - in a docstring (module, class or function), a line that is exactly ``[Note: <title>]`` (after
+      stripping) opens a block, which runs to the line before the next such heading in the same
+      docstring, or to the docstring's last line: paragraphs after a note belong to it;
+    - in ``#`` comments, a run of consecutive comment lines whose first line's text starts with
+      ``[Note: <title>]`` is a block (the heading may carry text after it); the run ends at the first
+      line that is not a comment.
+
+    A citation (``see [Note: ...]``) is neither: it does not stand alone on its line or open a run.
+    """
+    text = path.read_text()
+    lines = text.splitlines()
+    blocks = []
+    i = 0
+    while i < len(lines):
+        comment = lines[i].strip()
+        if comment.startswith("#") and _NOTE_HEADING.match(comment.lstrip("#").strip()):
+            j = i + 1
+            while j < len(lines) and lines[j].strip().startswith("#"):
+                j += 1
+            blocks.append((_NOTE_HEADING.match(comment.lstrip("#").strip()).group(), i + 1, j - i))
+            i = j
+        else:
+            i += 1
+    for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        doc = ast.get_docstring(node, clean=False)
+        if not doc:
+            continue
+        doc_lines = doc.splitlines()
+        heads = [k for k, line in enumerate(doc_lines) if _NOTE_HEADING.fullmatch(line.strip())]
+        for n, k in enumerate(heads):
+            end = heads[n + 1] if n + 1 < len(heads) else len(doc_lines)
+            while end > k + 1 and not doc_lines[end - 1].strip():
+                end -= 1
+            blocks.append((doc_lines[k].strip(), node.body[0].lineno + k, end - k))
+    return blocks
+
+
+def test_notes_are_short():
+    """A note says what a reader of that code needs now (STYLE.md); history and measurements go to docs/."""
+    long = [f"{path.relative_to(ROOT)}:{line}: {heading} is {n} lines"
+            for path in _modules().values() for heading, line, n in _note_blocks(path) if n > MAX_NOTE_LINES]
+    assert not long, f"notes over {MAX_NOTE_LINES} lines; cut them, move history and figures to docs/:\n" + "\n".join(long)
+
+
+def test_note_blocks_are_measured_as_documented(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text('"""Title.\n\n[Note: a]\none\n\ntwo\n\n[Note: b]\nthree\n"""\n\n'
+                      "x = 1  # see [Note: a]\n# [Note: c] text\n# more\ny = 2\n")
+    assert _note_blocks(sample) == [("[Note: c]", 13, 2), ("[Note: a]", 3, 4), ("[Note: b]", 8, 2)]
 
 
 def test_executors_meet_the_protocol():
