@@ -22,7 +22,12 @@ pending all-reduce is ``host_blocking`` and is waited by the compute stream's wa
 backward, after every unit was issued (gloo runs them meanwhile; see ``Fence.wait`` in
 :mod:`hybridshard.runtime.comm.executors.streams`). ``Manager.allreduce`` first waits for the step's quorum; the
 quorum is awaited at the end of the forward instead (:meth:`ManagedReplicate.quorum_ready`, from
-the model's forward hook), so inside backward that wait returns at once.
+the model's forward hook), so inside backward that wait returns at once. That end-of-backward wait
+is one of fault-tolerant mode's two exempt host syncs (see [Note: counting host syncs]).
+
+On the emulated device the all-reduce is queued on the all-reduce stream like an NCCL collective
+(``EmulatedStreams.defer_blocking``) and runs when the compute stream waits for it: the shard must
+stay the runtime's until then, as it must for NCCL, although gloo's work would hold it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from typing import Any
 
 import torch
 
+from hybridshard.runtime.comm import collectives as C
+from hybridshard.runtime.trace import host_syncs
 from hybridshard.runtime.trace.counters import CollectiveCounts, record
 
 logger = logging.getLogger(__name__)
@@ -58,6 +65,7 @@ class _ManagedPending:
 
     def wait(self) -> None:
         if self._work is not None:
+            host_syncs.count_here("Work.wait", exempt="torchft all-reduce wait")  # see [Note: counting host syncs]
             work, self._work = self._work, None
             if work.wait() is False:
                 logger.warning("a replicate all-reduce failed; this step will not commit")
@@ -79,7 +87,12 @@ class ManagedReplicate:
 
     def all_reduce(self, shard: torch.Tensor, *, stats: CollectiveCounts | None = None,
                    async_op: bool = False) -> _ManagedPending | None:
-        work = self.manager.allreduce(shard)  # waits for the step's quorum first
+        emulated = C.EMULATED[-1] if C.EMULATED else None
+        if emulated is not None:  # queued on the emulated all-reduce stream, run as late as it allows
+            self.manager.wait_quorum()
+            work = emulated.defer_blocking("all_reduce on torchft's replica groups", self.manager.allreduce, shard)
+        else:
+            work = self.manager.allreduce(shard)  # waits for the step's quorum first
         record("all_reduce", GROUP_NAME, self.manager.num_participants(), shard, stats)
         pending = _ManagedPending(work)
         if async_op:
