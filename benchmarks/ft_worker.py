@@ -4,7 +4,9 @@ Run with the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) o
 group plus TORCHFT_LIGHTHOUSE and HYBRIDSHARD_REPLICA_ID. Trains a small model until the committed
 step count reaches --steps, one JSON line per step into --out, then checks the replicas and writes a
 digest of this rank's master shards and optimizer state into --out's ``.done`` file, and (rank 0) the
-group's full parameters into --out's ``.state.pt`` file.
+group's full parameters into --out's ``.state.pt`` file. With ``--executor emulate`` the ``.done`` file
+also holds the runtime's host syncs from the second step on (``host_syncs``: hot and exempt, each a
+``[step, phase, site, count]``; tests/test_gpu_path_ft.py).
 
 Each step's line says what a reference needs to replay it: ``batches``, the per-group batches committed
 before it (its samples follow them, see ``FaultTolerance.batch_indices``), ``replicas`` (the groups
@@ -126,19 +128,25 @@ def main() -> None:
                         help="seed of the initial weights (a group resuming from a checkpoint must not keep them)")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--clip", type=float, default=1.0, help="max gradient norm (1e6: the norm, never clipped)")
+    parser.add_argument("--no-init-sync", action="store_true",
+                        help="FaultTolerance(init_sync=False): every group starts from the same seeded weights")
+    parser.add_argument("--executor", default=None, choices=["threads", "streams", "emulate"],
+                        help="shard(executor=...); under emulate the .done file also holds the runtime's host "
+                             "syncs from the second step on (tests/test_gpu_path_ft.py)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     groups = hs.init_groups()
     model, x, y = model_and_data(seed=args.init_seed, width=args.width)
     model = hs.shard(model, strategy="hybrid_shard", groups=groups, check_steps=not args.no_check_steps,
-                     wrap=lambda m: isinstance(m, nn.Linear))
+                     wrap=lambda m: isinstance(m, nn.Linear), executor=args.executor)
     optimizer = make_optimizer(args.optimizer, model.parameters())
     if args.plain:
         ft = PlainReplicas(model, optimizer, args.batch)
     else:
         ft = hs.FaultTolerance(model, optimizer, timeout=args.timeout, quorum_timeout=3 * args.timeout,
-                               min_replicas=args.min_replicas, max_failed_steps=args.max_failed_steps)
+                               min_replicas=args.min_replicas, max_failed_steps=args.max_failed_steps,
+                               init_sync=not args.no_init_sync)
     if args.ckpt and (latest := hs.latest_checkpoint(args.ckpt)) is not None:
         ft.load_checkpoint(latest)
     # Several ranks, several hosts, one directory: "{node}_rank{rank}.jsonl".
@@ -146,6 +154,11 @@ def main() -> None:
     log = open(args.out, "a", buffering=1)
     started = time.perf_counter()
     replicas, first_full = 0, None  # first_full: the first step every group took part in (the same on all)
+    syncs, steady = None, None  # the emulated device's host-sync counts, and a copy from the second step on
+    if args.executor == "emulate":
+        from hybridshard.runtime.trace import host_syncs
+
+        syncs = host_syncs.counts()
 
     def go_on() -> bool:
         if args.full_steps:
@@ -159,7 +172,11 @@ def main() -> None:
             return ft.current_step < target or replicas < args.until_replicas
         return ft.current_step < args.steps or replicas < args.until_replicas
 
+    iterations = 0
     while go_on():
+        if syncs is not None and iterations == 1:
+            syncs.reset()  # the steady state: from the second step on (see [Note: counting host syncs])
+        iterations += 1
         t0 = time.perf_counter()
         ft.start_step()
         index = torch.tensor(ft.batch_indices(args.batch, x.shape[0]))
@@ -183,6 +200,8 @@ def main() -> None:
             print(record, flush=True)  # what `local-cluster --kill-when` watches
         if args.ckpt and args.save_every and committed and ft.current_step % args.save_every == 0:
             ft.save_checkpoint(os.path.join(args.ckpt, f"step_{ft.current_step:08d}"))
+    if syncs is not None:  # before check_replicas and full_state_dict, which sync between steps
+        steady = {kind: [[*key, n] for key, n in sorted(getattr(syncs, kind).items())] for kind in ("hot", "exempt")}
     compared = ft.check_replicas()
     state = hs.full_state_dict(model)  # collective in the group
     if dist.get_rank() == 0:
@@ -190,7 +209,7 @@ def main() -> None:
     with open(args.out + ".done", "w") as f:
         json.dump({"digest": digest(model, optimizer), "compared": compared, "step": ft.current_step,
                    "seconds": time.perf_counter() - started,
-                   "loss_finite": math.isfinite(loss.item())}, f)
+                   "loss_finite": math.isfinite(loss.item()), "host_syncs": steady}, f)
     ft.shutdown()
     dist.destroy_process_group()
 

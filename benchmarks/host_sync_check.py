@@ -50,16 +50,16 @@ CONFIGS = {
 STEPS = 4
 _PACKAGE = os.path.dirname(os.path.abspath(hs.__file__)) + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_EXEMPT = (os.path.join("runtime", "grad_norm.py"), os.path.join("ft", "mode.py"),
-           os.path.join("runtime", "offload.py"))  # host_syncs.EXEMPT's
+_EXEMPT = (os.path.join("runtime", "grad_norm.py"), os.path.join("runtime", "offload.py"))  # host_syncs.EXEMPT's
+# (fault-tolerant mode's two, host_syncs.EXEMPT_SITES, are made in torchft's own frames: "other" here)
 _GRAD_SCALER = os.path.join("amp", "grad_scaler.py")
 
 
 def classify(frame) -> tuple[str, str]:  # noqa: ANN001 - a frame object
     """``(kind, "file:line")`` for a sync warned about in ``frame``: the emulator's names for who made it.
 
-    The innermost frame that is hybridshard's ("hot", or "exempt" for clip_grad_norm_, torchft's
-    commit and offload's wait for the gradients' copies), torch's
+    The innermost frame that is hybridshard's ("hot", or "exempt" for clip_grad_norm_ and offload's
+    wait for the gradients' copies), torch's
     ``GradScaler`` ("exempt"), or else the first one outside torch ("other"); torch's own Python
     frames in between (``Event.synchronize``'s wrapper) are skipped, as the emulator counts the call
     hybridshard made. Frames of the warnings machinery are skipped too.

@@ -369,3 +369,67 @@ def test_fault_tolerance_waits_for_the_quorum_when_the_forward_ends():
     model(torch.ones(2))
     model(torch.ones(2))  # a second micro-batch of the step
     assert calls == ["wait_quorum"]
+
+
+class _Manager:
+    """What ``ManagedReplicate`` reads of torchft's Manager; its all-reduce halves the shard (two
+    groups holding the same values), and notes what it saw when it ran."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def wait_quorum(self) -> None:
+        pass
+
+    @torch.profiler.record_function("torchft::manager::num_participants")  # torchft's: a dispatched op, no tensor
+    def num_participants(self) -> int:
+        return 2
+
+    def allreduce(self, tensor: torch.Tensor) -> object:
+        self.seen.append(tensor.tolist())
+        tensor.div_(2)
+        seen = self.seen
+
+        class Work:  # gloo's: wait() blocks the host
+            def wait(self) -> bool:
+                seen.append("waited")
+                return True
+        return Work()
+
+
+def test_managed_all_reduce_runs_when_the_host_waits_for_it(device):
+    """Queued on the all-reduce stream like an NCCL collective, not run at issue (torchft's profiler
+    ranges once made the emulator run the stream there): it runs when the compute stream waits on its
+    fence at the end of backward, after what the stream queued before it, and that wait is counted as
+    the exempt ``torchft all-reduce wait``."""
+    from hybridshard.ft.replicate import ManagedReplicate
+    from hybridshard.runtime.trace import host_syncs
+
+    manager = _Manager()
+    hook = ManagedReplicate(manager)
+    shard = torch.ones(4)
+    counts = host_syncs.counts()
+    counts.reset()
+    with device.side(device.all_reduce):
+        shard.mul_(3)
+        done = device.fence(device.all_reduce, hook.all_reduce(shard, async_op=True))
+    assert manager.seen == [] and device.pending() == 2 and shard.tolist() == [1.0] * 4
+    done.wait()
+    assert manager.seen == [[3.0] * 4, "waited"] and shard.tolist() == [1.5] * 4
+    assert counts.hot == {} and [site for _, _, site in counts.exempt] == ["torchft all-reduce wait"], counts.exempt
+
+
+def test_a_shard_dropped_before_the_managed_all_reduce_ran_is_caught(device):
+    """torchft may run its all-reduce on NCCL too: the shard must stay the runtime's until it ran."""
+    from hybridshard.ft.replicate import ManagedReplicate
+    from hybridshard.runtime.comm.executors.emulate import DeviceFault
+
+    hook = ManagedReplicate(_Manager())
+    shard = torch.ones(4)
+    with device.side(device.all_reduce):
+        done = device.fence(device.all_reduce, hook.all_reduce(shard, async_op=True))
+    del shard
+    with pytest.raises(DeviceFault, match=r"^emulated device: all_reduce on torchft's replica groups queued on the "
+                       r"all_reduce stream \(unit 'blocks\.0', backward\) touches a buffer .* after the runtime "
+                       r"dropped its last reference to it"):
+        done.wait()

@@ -8,7 +8,8 @@ each communicator from one thread per phase, in the same order on every rank, an
 interleaved order must be the same everywhere (what NCCL needs); results must be bitwise those of
 the thread executor and match the single-process reference.
 
-4 ranks on 2 simulated nodes, one pool for the module.
+4 ranks on 2 simulated nodes, one pool for the module. ``FaultTolerance``, whose replica groups are
+separate jobs, is in tests/test_gpu_path_ft.py.
 """
 
 from __future__ import annotations

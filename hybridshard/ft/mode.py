@@ -36,6 +36,7 @@ from hybridshard.ft.membership import Membership
 from hybridshard.ft.replicate import ManagedReplicate
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.engine import get_engine
+from hybridshard.runtime.trace import host_syncs
 from hybridshard.state import checkpoint
 from hybridshard.state.replicas import ReplicaDivergence
 from hybridshard.topology.groups import collective_device
@@ -175,6 +176,8 @@ class FaultTolerance:
         if not self._started:
             raise ValueError("FaultTolerance.step() before start_step(): call ft.start_step() before the forward")
         self._started = False
+        # On a GPU torchft synchronizes the device first: the exempt sync (see [Note: counting host syncs]).
+        host_syncs.count_here("torch.accelerator.synchronize", exempt="torchft should_commit")
         if not self.manager.should_commit():
             self._failed_steps += 1
             live = self.manager.num_participants()

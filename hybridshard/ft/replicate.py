@@ -15,7 +15,9 @@ order per communicator]). torchft's group is gloo, whose ``wait()`` blocks the h
 tensors, so the pending all-reduce is ``host_blocking``: the stream executor waits for it at the end
 of backward (``Fence.wait`` in :mod:`hybridshard.runtime.comm.executors.streams`), not inside the
 backward. The quorum ``Manager.allreduce`` waits for is awaited at the end of the forward
-(:meth:`ManagedReplicate.quorum_ready`), so inside backward that wait returns at once.
+(:meth:`ManagedReplicate.quorum_ready`), so inside backward that wait returns at once. That end-of-backward wait is one of fault-tolerant
+mode's two exempt host syncs. On the emulated device the all-reduce is queued on the all-reduce
+stream (``EmulatedStreams.defer_blocking``) and the shard stays the runtime's until it has run.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 
 import torch
 
+from hybridshard.runtime.comm import collectives as C
+from hybridshard.runtime.trace import host_syncs
 from hybridshard.runtime.trace.counters import CollectiveCounts, record
 
 logger = logging.getLogger(__name__)
@@ -51,6 +55,7 @@ class _ManagedPending:
 
     def wait(self) -> None:
         if self._work is not None:
+            host_syncs.count_here("Work.wait", exempt="torchft all-reduce wait")  # see [Note: counting host syncs]
             work, self._work = self._work, None
             if work.wait() is False:
                 logger.warning("a replicate all-reduce failed; this step will not commit")
@@ -72,7 +77,12 @@ class ManagedReplicate:
 
     def all_reduce(self, shard: torch.Tensor, *, stats: CollectiveCounts | None = None,
                    async_op: bool = False) -> _ManagedPending | None:
-        work = self.manager.allreduce(shard)  # waits for the step's quorum first
+        emulated = C.EMULATED[-1] if C.EMULATED else None
+        if emulated is not None:  # queued on the emulated all-reduce stream, run as late as it allows
+            self.manager.wait_quorum()
+            work = emulated.defer_blocking("all_reduce on torchft's replica groups", self.manager.allreduce, shard)
+        else:
+            work = self.manager.allreduce(shard)  # waits for the step's quorum first
         record("all_reduce", GROUP_NAME, self.manager.num_participants(), shard, stats)
         pending = _ManagedPending(work)
         if async_op:

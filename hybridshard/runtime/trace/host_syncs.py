@@ -7,12 +7,18 @@ into host memory without ``non_blocking``, ``torch.tensor(<host data>, device=..
 stream's ``synchronize()``. On the emulated device (see [Note: emulated device] in
 :mod:`hybridshard.runtime.comm.executors.emulate`) the first emulated runtime wraps these calls once per process,
 and every call made from hybridshard's own code is counted under ``(step, phase, site)``; calls
-from elsewhere (the user's ``loss.item()``) are not the runtime's business. Three syncs are known
+from elsewhere (the user's ``loss.item()``) are not the runtime's business. Some syncs are known
 and counted apart, as exempt: ``clip_grad_norm_``'s one (it returns a Python float),
-``GradScaler.step``'s ``found_inf.item()`` (torch's own, to decide whether to step), torchft's
-``should_commit`` round trip and, with CPU offload, the one event sync after the gradients' copies
-to host memory (the optimizer steps on the CPU; see [Note: CPU offload]). Everything else is a sync in the hot path: the emulator test matrix
-requires none from the second step on.
+``GradScaler.step``'s ``found_inf.item()`` (torch's own, to decide whether to step), with CPU
+offload the one event sync after the gradients' copies to host memory (the optimizer steps on the
+CPU; see [Note: CPU offload]), and fault-tolerant mode's two, which torchft makes: ``should_commit``
+(on a GPU it synchronizes the device, then a round trip to the manager; one a step) and the wait for
+its gloo all-reduce of each unit's gradient shard at the end of backward (gloo's ``wait()`` blocks
+the host until its thread ran the all-reduce, which waited for the all-reduce stream; one per unit
+a step; see [Note: managed replicate all-reduce] in :mod:`hybridshard.ft.replicate`). Those two are
+counted by name where hybridshard calls into torchft (:data:`EXEMPT_SITES`), not by module, so any
+other sync in ``hybridshard.ft`` is a hot one. Everything else is a sync in the hot path: the
+emulator test matrix requires none from the second step on.
 """
 
 from __future__ import annotations
@@ -31,15 +37,20 @@ from hybridshard.runtime.trace.position import current_where
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXEMPT", "HostCopy", "SyncCounts", "count_here", "counts", "install", "mark_host", "to_device"]
+__all__ = ["EXEMPT", "EXEMPT_SITES", "HostCopy", "SyncCounts", "count_here", "counts", "install", "mark_host",
+           "to_device"]
 
 EXEMPT = {
     "hybridshard.runtime.optim.grad_norm": "clip_grad_norm_",
     "torch.amp.grad_scaler": "GradScaler.step found_inf",
-    "hybridshard.ft.mode": "torchft should_commit",
     "hybridshard.runtime.units.offload": "CPU offload: gradients arrived",
 }
 """Calling module -> what the documented exempt sync is."""
+
+EXEMPT_SITES = ("torchft should_commit", "torchft all-reduce wait")
+"""Exempt syncs counted by name (:func:`count_here` with ``exempt=``) rather than by calling module:
+fault-tolerant mode's, which torchft makes on a GPU and which its modules do not make on the
+emulated device (see [Note: counting host syncs]). Any other sync in ``hybridshard.ft`` is a hot one."""
 
 
 class SyncCounts:
@@ -55,9 +66,9 @@ class SyncCounts:
             self.hot.clear()
             self.exempt.clear()
 
-    def count(self, kind: str, module: str, function: str) -> None:
+    def count(self, kind: str, module: str, function: str, exempt: str | None = None) -> None:
         w = current_where()
-        exempt = EXEMPT.get(module)
+        exempt = exempt if exempt is not None else EXEMPT.get(module)
         key = (w.step, w.phase, f"{kind} in {module}.{function}" if exempt is None else exempt)
         with self._lock:
             (self.exempt if exempt is not None else self.hot)[key] += 1
@@ -132,12 +143,15 @@ def counts() -> SyncCounts:
     return _COUNTS
 
 
-def count_here(kind: str) -> None:
+def count_here(kind: str, *, exempt: str | None = None) -> None:
     """Count a sync the caller makes on the emulated device, where the call itself is none (an event
-    it would synchronize on a GPU); nothing unless counting."""
+    it would synchronize on a GPU); nothing unless counting. ``exempt``: one of :data:`EXEMPT_SITES`,
+    the documented exempt sync this is."""
+    if exempt is not None and exempt not in EXEMPT_SITES:
+        raise ValueError(f"{exempt!r} is not a documented exempt sync: {EXEMPT_SITES}")
     caller = _caller()
     if _INSTALLED and caller is not None:
-        _COUNTS.count(kind, *caller)
+        _COUNTS.count(kind, *caller, exempt=exempt)
 
 
 def _caller() -> tuple[str, str] | None:

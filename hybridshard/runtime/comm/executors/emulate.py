@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.comm.executors.streams import Fence, StreamSet, host_blocking
+from hybridshard.runtime.comm.handoff import hand_off
 from hybridshard.runtime.trace import host_syncs
 from hybridshard.runtime.trace.position import current_where
 
@@ -164,6 +165,20 @@ class _EmuPending:
         self._backend = None
 
 
+class _EmuBlocking:
+    """A collective queued by :meth:`EmulatedStreams.defer_blocking`: ``wait()`` runs its stream up to it
+    (on a GPU gloo's thread waits for that stream, the host for gloo), then waits the backend's work."""
+
+    __slots__ = ("_stream", "_count", "_result")
+
+    def __init__(self, stream: EmuStream, count: int, result: list[Any]) -> None:
+        self._stream, self._count, self._result = stream, count, result
+
+    def wait(self) -> Any:
+        self._stream.run_until(self._count)
+        return self._result[0].wait()
+
+
 class EmulatedStreams(StreamSet):
     """The stream executor's streams on the emulated device; see [Note: emulated device]."""
 
@@ -226,6 +241,15 @@ class EmulatedStreams(StreamSet):
             stream.unwaited.append((stream.enqueued, issue))
         stream.enqueue(_Op(what, run, list(touched), stream, list(written)))
         return _EmuPending(touched)
+
+    def defer_blocking(self, what: str, issue: Callable[[torch.Tensor], Any], tensor: torch.Tensor) -> _EmuBlocking:
+        """Queue ``issue(tensor)`` (it returns a backend's work) on the current side stream: a collective
+        whose ``wait()`` blocks the host (torchft's gloo all-reduce, see [Note: managed replicate
+        all-reduce] in :mod:`hybridshard.ft.replicate`), held and checked like the others."""
+        stream, result = self.current, []
+        (alias,) = hand_off(tensor)
+        self.defer_collective(what, lambda: result.append(issue(alias)), (alias,), (alias,))
+        return _EmuBlocking(stream, stream.enqueued, result)
 
     def note_wait(self, event: EmuEvent, waiter: EmuStream | None) -> None:
         unit, phase = current_where().unit, current_where().phase
@@ -349,6 +373,8 @@ class _Capture(TorchDispatchMode):
         flat, spec = tree_flatten((args, kwargs))
         aliases = [a.detach() if isinstance(a, torch.Tensor) else a for a in flat]
         holds = [a for a in aliases if isinstance(a, torch.Tensor)]
+        if not holds and not any("Tensor" in str(r.type) for r in returns):
+            return func(*args, **kwargs)  # host bookkeeping (torchft's profiler ranges): no tensor, nothing to wait for
         if returns and all(r.alias_info is not None and r.alias_info.is_write for r in returns):
             def run_in_place() -> None:
                 a, k = tree_unflatten(aliases, spec)
