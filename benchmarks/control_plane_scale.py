@@ -397,8 +397,8 @@ def _fit(results: list[dict[str, Any]], key: str) -> float | None:
 
 
 PLOTTED = ("init_s", "init_bytes_per_rank", "init_bytes_max_rank", "init_bytes_rank0", "store_ops_per_rank_per_s",
-           "store_ops_per_check_per_rank", "store_bytes_per_check_per_rank", "detect_s", "ckpt_meta_bytes_per_rank", "step_check_allgather_ring_s",
-           "step_check_tree_s")
+           "store_ops_per_check_per_rank", "store_bytes_per_check_per_rank", "detect_s", "ckpt_meta_bytes_per_rank",
+           "step_check_allgather_ring_s", "step_check_tree_s")
 
 
 def plot(results: list[dict[str, Any]], path: str) -> None:
