@@ -263,8 +263,9 @@ def detect(job: Job, fault_s: float, lag: Lag, victim: int) -> dict[str, float]:
             "detect_after_check_s": last - t0 - fault_s, "detect_lag_ms": 1e3 * lag.reset()}
 
 
-def _probes(world: int) -> list[Any]:
-    """Every rank's real probe: one per node from the NVML fixture, node names and local ranks filled in."""
+def _probes(world: int, layout: str = "block") -> list[Any]:
+    """Every rank's real probe: one per node from the NVML fixture, node names and local ranks filled in;
+    ranks in torchrun's ``"block"`` order or SLURM's ``"cyclic"`` (rank r on node r mod W/8)."""
     from hybridshard.topology.nvml_recorded import FakeNvml
     from hybridshard.topology.probe import probe_rank
 
@@ -282,6 +283,10 @@ def _probes(world: int) -> list[Any]:
         for local in range(RANKS_PER_NODE):
             out.append(dataclasses.replace(base, rank=node * RANKS_PER_NODE + local, local_rank=local,
                                            gpu_uuid=uuids[local % len(uuids)]))
+    if layout == "cyclic":
+        num_nodes = world // RANKS_PER_NODE
+        out = [dataclasses.replace(out[(r % num_nodes) * RANKS_PER_NODE + r // num_nodes], rank=r)
+               for r in range(world)]
     return out
 
 
@@ -295,7 +300,7 @@ def _gathered_bytes(payloads: list[Any]) -> int:
     return 8 * len(payloads) + len(payloads) * max(_sent(p) - 8 for p in payloads)
 
 
-def init_and_checkpoint(world: int) -> dict[str, float]:
+def init_and_checkpoint(world: int, layout: str = "block") -> dict[str, float]:
     """Bytes each rank receives in :func:`hybridshard.topology.summary.gather_summary` (the gather tree:
     parts and node probes to block leaders, one blob a block to rank 0, the view to all), from the real
     payloads, per rank; and the time through it on its critical path: a rank's part, its leader's blob,
@@ -303,7 +308,7 @@ def init_and_checkpoint(world: int) -> dict[str, float]:
     from hybridshard.topology import summary
     from hybridshard.topology.planner import plan_groups
 
-    probes = _probes(world)
+    probes = _probes(world, layout)
     received = [0] * world
     t = time.perf_counter()
     parts = [summary.rank_part(p) for p in probes]
@@ -356,9 +361,9 @@ def step_check_model(world: int) -> dict[str, float]:
             "step_check_allreduce_ring_s": 2 * (world - 1) * (ALPHA_S + 96 / world * BETA_S_PER_BYTE)}
 
 
-def run(world: int, fault_s: float, healthy_s: float, faults: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"world": world, "fault_seconds": fault_s}
-    out.update(init_and_checkpoint(world))
+def run(world: int, fault_s: float, healthy_s: float, faults: bool, layout: str = "block") -> dict[str, Any]:
+    out: dict[str, Any] = {"world": world, "layout": layout, "fault_seconds": fault_s}
+    out.update(init_and_checkpoint(world, layout))
     out.update(step_check_model(world))
     if not faults:
         return out
@@ -433,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="HYBRIDSHARD_FAULT_SECONDS for the stall and death phases (the stall lasts 1.5x it)")
     parser.add_argument("--healthy-seconds", type=float, default=5.0)
     parser.add_argument("--no-faults", action="store_true", help="only the init, checkpoint and model figures")
+    parser.add_argument("--layout", choices=("block", "cyclic"), default="block",
+                        help="rank order of the init probes (the fault phases do not depend on it)")
     parser.add_argument("--plot", default=None, help="write a log-log PNG here (needs matplotlib)")
     parser.add_argument("--results", nargs="+", default=None,
                         help="fit and plot the JSON lines of earlier runs (files) instead of running")
@@ -456,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("hybridshard").setLevel(logging.CRITICAL + 1)
     results = []
     for world in args.world:
-        result = run(world, args.fault_seconds, args.healthy_seconds, not args.no_faults)
+        result = run(world, args.fault_seconds, args.healthy_seconds, not args.no_faults, args.layout)
         results.append(result)
         print(json.dumps(result), flush=True)
     for world in (1_000, 10_000, 100_000):
