@@ -20,10 +20,10 @@ exactly (a counting wrapper around each rank's client); times are wall clock, an
 ``lag_ms``: how late a thread that sleeps 50 ms wakes, worst case over the phase, the delay every
 simulated rank's thread saw on top of the control plane's own time. Init and checkpoint metadata are
 the bytes of the real payloads (each rank's probe from the NVML fixtures, 8 ranks a node) that the
-object collectives of :func:`~hybridshard.topology.summary.gather_summary` (and, for comparison, the
-``all_gather_object`` it replaced) move, and the real assembly and planning code timed once; the
-collectives are not run and process groups are not created (neither ``split_group`` nor
-``new_group`` is measured).
+object messages of :func:`~hybridshard.topology.summary.gather_summary` (its gather tree, counted per
+receiving rank; for comparison, the flat gather through rank 0 and the ``all_gather_object`` before
+it) move, and the real packing, assembly and planning code timed once; the messages are not sent and
+process groups are not created (neither ``split_group`` nor ``new_group`` is measured).
 """
 
 from __future__ import annotations
@@ -263,8 +263,9 @@ def detect(job: Job, fault_s: float, lag: Lag, victim: int) -> dict[str, float]:
             "detect_after_check_s": last - t0 - fault_s, "detect_lag_ms": 1e3 * lag.reset()}
 
 
-def _probes(world: int) -> list[Any]:
-    """Every rank's real probe: one per node from the NVML fixture, node names and local ranks filled in."""
+def _probes(world: int, layout: str = "block") -> list[Any]:
+    """Every rank's real probe: one per node from the NVML fixture, node names and local ranks filled in;
+    ranks in torchrun's ``"block"`` order or SLURM's ``"cyclic"`` (rank r on node r mod W/8)."""
     from hybridshard.topology.nvml_recorded import FakeNvml
     from hybridshard.topology.probe import probe_rank
 
@@ -282,6 +283,10 @@ def _probes(world: int) -> list[Any]:
         for local in range(RANKS_PER_NODE):
             out.append(dataclasses.replace(base, rank=node * RANKS_PER_NODE + local, local_rank=local,
                                            gpu_uuid=uuids[local % len(uuids)]))
+    if layout == "cyclic":
+        num_nodes = world // RANKS_PER_NODE
+        out = [dataclasses.replace(out[(r % num_nodes) * RANKS_PER_NODE + r // num_nodes], rank=r)
+               for r in range(world)]
     return out
 
 
@@ -295,28 +300,52 @@ def _gathered_bytes(payloads: list[Any]) -> int:
     return 8 * len(payloads) + len(payloads) * max(_sent(p) - 8 for p in payloads)
 
 
-def init_and_checkpoint(world: int) -> dict[str, float]:
-    """Bytes of :func:`hybridshard.topology.summary.gather_summary`'s four collectives, from the real
-    payloads, and rank 0's time through it plus a rank's planning (the critical path of init)."""
+def init_and_checkpoint(world: int, layout: str = "block") -> dict[str, float]:
+    """Bytes each rank receives in :func:`hybridshard.topology.summary.gather_summary` (the gather tree:
+    parts and node probes to block leaders, one blob a block to rank 0, the view to all), from the real
+    payloads, per rank; and the time through it on its critical path: a rank's part, its leader's blob,
+    rank 0's assembly, a rank's planning."""
     from hybridshard.topology import summary
     from hybridshard.topology.planner import plan_groups
 
-    probes = _probes(world)
+    probes = _probes(world, layout)
+    received = [0] * world
     t = time.perf_counter()
     parts = [summary.rank_part(p) for p in probes]
     part_s = (time.perf_counter() - t) / world  # each rank builds its own part
+    tree, blobs, pack_s = summary.blocks(world), [], 0.0
+    for block in tree:
+        t = time.perf_counter()
+        mine = [parts[r] for r in block]
+        chosen = summary.senders(mine)
+        blob = summary.pack_block(mine, {summary.node_key(mine[i]): probes[block[i]].node.to_dict() for i in chosen})
+        pack_s = max(pack_s, time.perf_counter() - t)  # the leaders pack at once
+        blobs.append(blob)
+        leader = block[0]
+        for i, r in enumerate(block[1:], start=1):
+            received[leader] += _sent(parts[r])
+            received[r] += _sent(i in chosen)
+        received[leader] += sum(_sent(probes[block[i]].node.to_dict()) for i in chosen if i)
+        if leader:
+            received[0] += _sent(blob)
     t = time.perf_counter()
-    chosen = summary.senders(parts)
-    nodes = {r: probes[r].node.to_dict() for r in chosen}
-    encoded = summary.encode_view(summary.view_from_parts(parts, nodes))
+    encoded = summary.encode_view(summary.view_from_blocks(blobs))
     plan_groups(summary.decode_view(encoded))
-    init_s = part_s + time.perf_counter() - t
-    # gather_object: every rank receives the W sizes, rank 0 the W parts padded to the largest.
-    every = 8 * world + _sent(chosen) + _sent(("view", encoded))
-    root = every + world * max(_sent(p) - 8 for p in parts) + sum(_sent([nodes[r]]) for r in chosen if r != 0)
+    init_s = part_s + pack_s + time.perf_counter() - t
+    for r in range(1, world):  # broadcast_object_list: the size, then the pickle
+        received[r] += _sent(("view", encoded))
+    leaders = [b[0] for b in tree[1:]] or [0]
+    # Before the tree: rank 0 gathered every part (gather_object pads to the largest) and each node once.
+    flat = [r for r in summary.senders(parts) if r]
+    rank0_flat = 8 * world + world * max(_sent(p) - 8 for p in parts)
+    rank0_flat += sum(_sent(probes[r].node.to_dict()) for r in flat)
     nodes_of = [f"node{r // RANKS_PER_NODE:05d}" for r in range(world)]
     ckpt = _gathered_bytes(nodes_of) + _gathered_bytes([1 << 40] * world)  # node names, then bytes written
-    return {"init_s": init_s, "init_bytes_per_rank": every, "init_bytes_rank0": root,
+    members = sorted(set(range(world)) - {b[0] for b in tree})
+    return {"init_s": init_s, "init_ranks_per_block": len(tree[0]),
+            "init_bytes_per_rank": max((received[r] for r in members), default=0),
+            "init_bytes_leader": max(received[r] for r in leaders), "init_bytes_rank0": received[0],
+            "init_bytes_max_rank": max(received), "init_bytes_rank0_flat": rank0_flat,
             "init_bytes_per_rank_all_gather": _gathered_bytes([p.to_dict() for p in probes]),
             "ckpt_meta_bytes_per_rank": ckpt}
 
@@ -332,9 +361,9 @@ def step_check_model(world: int) -> dict[str, float]:
             "step_check_allreduce_ring_s": 2 * (world - 1) * (ALPHA_S + 96 / world * BETA_S_PER_BYTE)}
 
 
-def run(world: int, fault_s: float, healthy_s: float, faults: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"world": world, "fault_seconds": fault_s}
-    out.update(init_and_checkpoint(world))
+def run(world: int, fault_s: float, healthy_s: float, faults: bool, layout: str = "block") -> dict[str, Any]:
+    out: dict[str, Any] = {"world": world, "layout": layout, "fault_seconds": fault_s}
+    out.update(init_and_checkpoint(world, layout))
     out.update(step_check_model(world))
     if not faults:
         return out
@@ -372,9 +401,9 @@ def _fit(results: list[dict[str, Any]], key: str) -> float | None:
     return sum((x - mx) * (y - my) for x, y in pts) / den if den else None
 
 
-PLOTTED = ("init_s", "init_bytes_per_rank", "store_ops_per_rank_per_s", "store_ops_per_check_per_rank",
-           "store_bytes_per_check_per_rank", "detect_s", "ckpt_meta_bytes_per_rank", "step_check_allgather_ring_s",
-           "step_check_tree_s")
+PLOTTED = ("init_s", "init_bytes_per_rank", "init_bytes_max_rank", "init_bytes_rank0", "store_ops_per_rank_per_s",
+           "store_ops_per_check_per_rank", "store_bytes_per_check_per_rank", "detect_s", "ckpt_meta_bytes_per_rank",
+           "step_check_allgather_ring_s", "step_check_tree_s")
 
 
 def plot(results: list[dict[str, Any]], path: str) -> None:
@@ -409,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="HYBRIDSHARD_FAULT_SECONDS for the stall and death phases (the stall lasts 1.5x it)")
     parser.add_argument("--healthy-seconds", type=float, default=5.0)
     parser.add_argument("--no-faults", action="store_true", help="only the init, checkpoint and model figures")
+    parser.add_argument("--layout", choices=("block", "cyclic"), default="block",
+                        help="rank order of the init probes (the fault phases do not depend on it)")
     parser.add_argument("--plot", default=None, help="write a log-log PNG here (needs matplotlib)")
     parser.add_argument("--results", nargs="+", default=None,
                         help="fit and plot the JSON lines of earlier runs (files) instead of running")
@@ -432,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("hybridshard").setLevel(logging.CRITICAL + 1)
     results = []
     for world in args.world:
-        result = run(world, args.fault_seconds, args.healthy_seconds, not args.no_faults)
+        result = run(world, args.fault_seconds, args.healthy_seconds, not args.no_faults, args.layout)
         results.append(result)
         print(json.dumps(result), flush=True)
     for world in (1_000, 10_000, 100_000):

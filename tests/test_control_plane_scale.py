@@ -35,6 +35,7 @@ def test_control_plane_at_scale(harness, world, monkeypatch):
     assert r["store_ops_per_check_per_rank"] <= 10, r
     if world == 256:
         assert r["init_bytes_per_rank"] <= 64 * 1024, r
+        assert r["init_bytes_max_rank"] <= 64 * 1024, r  # rank 0 and the block leaders of the gather tree
 
 
 def test_harness_leaves_the_fault_limits_as_it_found_them(harness, monkeypatch):
