@@ -12,8 +12,22 @@ default process group initialised (gloo over a file store). Each rank sees ``RAN
 would set them. ``layout="block"`` places ranks ``[0, 1]`` on node0 and ``[2, 3]`` on node1;
 ``layout="cyclic"`` places them round-robin (SLURM ``--distribution=cyclic``): node0 gets ``[0, 2]``.
 
-A rank that raises fails the run with its traceback; a run that exceeds ``timeout`` kills every rank
-and raises ``TimeoutError`` (then the pool restarts on its next use), so a hang fails fast.
+A rank that raises fails the run with its traceback. A run in which no rank makes progress for
+``stall_s`` seconds kills every rank and raises ``TimeoutError`` (then the pool restarts on its next
+use), so a hang fails fast; see [Note: progress, not wall-clock].
+
+[Note: progress, not wall-clock]
+A fixed deadline per run either flakes on a loaded machine (two cores shared by several test runs
+stretch a 20 s job past any bound chosen on an idle one) or, set wide enough never to flake, makes a
+hang cost minutes. So the pool's deadline moves with progress. Each rank runs a sampler thread that,
+every ``SAMPLE_S``, reads where its main thread is (``sys._current_frames``: code objects and line
+numbers of the whole stack) and bumps the rank's tick in a shared array when that changed. A rank
+blocked in a collective, a store wait or a ``sleep`` sits in one frame and stops ticking; a rank that
+computes, however slowly, moves. The run fails once no rank ticked (and no result arrived) for
+``stall_s`` seconds; after a rank failed, the others get ``AFTER_FAILURE_S`` without progress to
+finish before the pool restarts. A hang that spins (a Python loop polling forever) keeps ticking:
+``max_s``, a ceiling far above any healthy run, catches that. The sampler starts before the rank
+imports torch (this module imports it lazily), so a slow start-up counts as progress too.
 """
 
 from __future__ import annotations
@@ -21,14 +35,27 @@ from __future__ import annotations
 import os
 import queue
 import shutil
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable
 
-import torch.multiprocessing as mp
+SAMPLE_S = 0.2
+"""How often each rank's sampler looks at its main thread."""
+STALL_S = 60.0
+"""Default: seconds without progress on any rank before a run fails as hung."""
+MAX_S = 1200.0
+"""Default ceiling on one run, for hangs that spin (see [Note: progress, not wall-clock])."""
+AFTER_FAILURE_S = 5.0
+"""Seconds without progress granted to the other ranks once one rank failed."""
 
-_CTX = mp.get_context("spawn")
+
+def _spawn():
+    import torch.multiprocessing as mp  # lazily: the ranks start their sampler before torch loads
+
+    return mp.get_context("spawn")
 
 
 def node_placement(world_size: int, num_nodes: int, layout: str) -> list[tuple[str, int]]:
@@ -43,7 +70,29 @@ def node_placement(world_size: int, num_nodes: int, layout: str) -> list[tuple[s
     raise ValueError(f"layout must be 'block' or 'cyclic', got {layout!r}")
 
 
-def _worker(rank: int, world_size: int, store_path: str, env: dict[str, str], tasks, results) -> None:
+def _stack_key(frame: Any) -> tuple:
+    """Where a thread is: (code object id, line) of every frame of its stack."""
+    key = []
+    while frame is not None:
+        key.append((id(frame.f_code), frame.f_lineno))
+        frame = frame.f_back
+    return tuple(key)
+
+
+def _sample_progress(ticks: Any, rank: int, main_ident: int) -> None:
+    """Bump ``ticks[rank]`` whenever the main thread's stack changed since the last look."""
+    last = None
+    while True:
+        time.sleep(SAMPLE_S)
+        key = _stack_key(sys._current_frames().get(main_ident))
+        if key != last:
+            ticks[rank] += 1
+            last = key
+
+
+def _worker(rank: int, world_size: int, store_path: str, env: dict[str, str], tasks, results, ticks) -> None:
+    threading.Thread(target=_sample_progress, args=(ticks, rank, threading.get_ident()), daemon=True,
+                     name="progress-sampler").start()
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -67,7 +116,11 @@ def _worker(rank: int, world_size: int, store_path: str, env: dict[str, str], ta
 
 
 class RankPool:
-    """``world_size`` spawned gloo ranks on ``num_nodes`` simulated nodes."""
+    """``world_size`` spawned gloo ranks on ``num_nodes`` simulated nodes.
+
+    ``stall_s``: a run fails when no rank made progress for this long; ``max_s``: the ceiling on one
+    run (see [Note: progress, not wall-clock]). ``timeout`` is an older name for ``max_s``.
+    """
 
     def __init__(
         self,
@@ -75,13 +128,16 @@ class RankPool:
         *,
         num_nodes: int = 2,
         layout: str = "block",
-        timeout: float = 120.0,
+        stall_s: float = STALL_S,
+        max_s: float = MAX_S,
+        timeout: float | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
         self.world_size = world_size
         self.num_nodes = num_nodes
         self.layout = layout
-        self.timeout = timeout
+        self.stall_s = stall_s
+        self.max_s = max_s if timeout is None else timeout
         self.placement = node_placement(world_size, num_nodes, layout)
         self._extra_env = dict(env or {})
         self._procs: list = []
@@ -91,8 +147,10 @@ class RankPool:
     def _start(self) -> None:
         self._tmp = tempfile.mkdtemp(prefix="hs-pool-")
         store_path = os.path.join(self._tmp, "store")
-        self._tasks = [_CTX.Queue() for _ in range(self.world_size)]
-        self._results = _CTX.Queue()
+        ctx = _spawn()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._ticks = ctx.Array("q", self.world_size, lock=False)
         per_node = self.world_size // self.num_nodes
         self._procs = []
         for rank, (node, local_rank) in enumerate(self.placement):
@@ -106,9 +164,9 @@ class RankPool:
                 "MASTER_ADDR": "127.0.0.1",
                 **self._extra_env,
             }
-            p = _CTX.Process(
+            p = ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, store_path, env, self._tasks[rank], self._results),
+                args=(rank, self.world_size, store_path, env, self._tasks[rank], self._results, self._ticks),
                 daemon=True,
             )
             p.start()
@@ -125,34 +183,49 @@ class RankPool:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+    def run(
+        self, fn: Callable[..., Any], *args: Any, stall_s: float | None = None, max_s: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order. ``stall_s`` and
+        ``max_s`` override the pool's for this run (see [Note: progress, not wall-clock])."""
         if not self._procs:
             self._start()
         for q in self._tasks:
             q.put((fn, args, kwargs))
-        deadline = time.monotonic() + (timeout or self.timeout)
+        stall = stall_s or self.stall_s
+        start = time.monotonic()
+        ceiling = start + (max_s or self.max_s)
+        last_ticks, last_progress = list(self._ticks), start
         out: dict[int, Any] = {}
         failures: dict[int, str] = {}
         while len(out) + len(failures) < self.world_size:
             try:
                 rank, ok, value = self._results.get(timeout=0.5)
             except queue.Empty:
+                now, ticks = time.monotonic(), list(self._ticks)
+                if ticks != last_ticks:
+                    last_ticks, last_progress = ticks, now
                 dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
+                if dead or now - last_progress > stall or now > ceiling:
                     self._kill()
                     if failures:
                         break
-                    what = f"ranks {dead} died" if dead else f"timed out after {timeout or self.timeout:.0f}s"
+                    if dead:
+                        what = f"ranks {dead} died"
+                    elif now > ceiling:
+                        what = f"still running at the ceiling of {now - start:.0f}s"
+                    else:
+                        what = f"no rank made progress for {stall:.0f}s (hung after {now - start:.0f}s)"
                     raise TimeoutError(f"{fn.__name__}: {what}; ranks done: {sorted(out)}")
                 continue
+            last_progress = time.monotonic()
             if ok:
                 out[rank] = value
             else:
                 failures[rank] = value
-                # The other ranks may now wait forever in a collective: give them a moment, then
-                # restart the pool rather than hang.
-                deadline = min(deadline, time.monotonic() + 5)
+                # The other ranks may now wait forever in a collective: once they stop moving, restart
+                # the pool rather than hang.
+                stall = min(stall, AFTER_FAILURE_S)
         if failures:
             if len(out) + len(failures) < self.world_size:
                 self._kill()

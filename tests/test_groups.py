@@ -57,7 +57,7 @@ def check_bad_shard_size():
 
 @pytest.fixture(scope="module", params=["block", "cyclic"])
 def pool(request):
-    with RankPool(4, num_nodes=2, layout=request.param, timeout=60) as p:
+    with RankPool(4, num_nodes=2, layout=request.param) as p:
         yield p
 
 
@@ -94,7 +94,7 @@ def test_shard_size_one_replicates_across_all(pool):
 
 
 def test_bad_shard_size_fails_fast_on_every_rank(pool):
-    messages = pool.run(check_bad_shard_size, timeout=30)
+    messages = pool.run(check_bad_shard_size, stall_s=30)
     assert all(m is not None and "shard_size=3" in m and "node0: 2" in m for m in messages)
 
 
@@ -156,7 +156,7 @@ def check_recorded_node_groups(fixture: str, visible: str, domain: str):
 
 @pytest.fixture(scope="module")
 def node_pool():
-    with RankPool(4, num_nodes=1, timeout=120) as p:
+    with RankPool(4, num_nodes=1) as p:
         yield p
 
 

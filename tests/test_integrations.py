@@ -47,7 +47,7 @@ FABRIC_RUNS = ("sgd", "adamw")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("integrations")
     out = {"dirs": {}}
-    with RankPool(WORLD, num_nodes=2, layout="block", timeout=240) as pool:
+    with RankPool(WORLD, num_nodes=2, layout="block") as pool:
         for s in HF_STRATEGIES:
             out["dirs"][s] = str(root / f"hf-{s}")
             out[s] = pool.run(J.hf_train, s, out["dirs"][s], HF_OPTIM[s])

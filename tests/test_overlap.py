@@ -39,7 +39,7 @@ CONFIGS += [RM.Config(strategy=s, prefetch=p, overlap_grads=o, steps=3, micro_st
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(WORLD, num_nodes=2, layout="block", timeout=150) as pool:
+    with RankPool(WORLD, num_nodes=2, layout="block") as pool:
         yield pool
 
 
