@@ -32,15 +32,17 @@ imports torch (this module imports it lazily), so a slow start-up counts as prog
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 SAMPLE_S = 0.2
 """How often each rank's sampler looks at its main thread."""
@@ -257,15 +259,31 @@ def run_rank_processes(
     as torchrun would but without its agent killing the others when one fails: the survivors'
     own behaviour is what a fault test looks at. Returns ``(exit code or None if killed at the
     timeout, stdout, seconds)`` per rank."""
-    import subprocess
-    import sys
+    # This process hosts the job's store, as torchrun's agent does, so it outlives any rank.
+    with held_store() as store:
+        return _run_ranks(argv, world_size, store.port, num_nodes=num_nodes, timeout=timeout, env=env)
 
+
+@contextlib.contextmanager
+def held_store(host: str = "127.0.0.1") -> Iterator[Any]:
+    """A TCP store this process hosts until the block ends, on a port the kernel chose as it bound it.
+
+    Hand its port to the processes of a job (``MASTER_PORT``, or ``--rdzv-endpoint HOST:PORT`` of a
+    c10d rendezvous, whose agents then find the port taken and connect as clients): a port probed
+    free and bound later by someone else may have been taken in between by any process on the host.
+    """
     import torch.distributed as dist
 
-    # This process hosts the job's store, as torchrun's agent does, so it outlives any rank; on a port
-    # it binds itself (0: the kernel's choice), handed to the ranks, so no other process can take it first.
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    port = store.port
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    try:
+        yield store
+    finally:
+        del store
+
+
+def _run_ranks(
+    argv: list[str], world_size: int, port: int, *, num_nodes: int, timeout: float, env: dict[str, str] | None
+) -> list[tuple[int | None, str, float]]:
     per_node = world_size // num_nodes
     procs = []
     start = time.monotonic()
@@ -288,5 +306,4 @@ def run_rank_processes(
             p.kill()
             text, _ = p.communicate()
             out.append((None, text, time.monotonic() - start))
-    del store
     return out
