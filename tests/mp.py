@@ -20,10 +20,12 @@ use), so a hang fails fast; see [Note: progress, not wall-clock].
 A fixed deadline per run either flakes on a loaded machine (two cores shared by several test runs
 stretch a 20 s job past any bound chosen on an idle one) or, set wide enough never to flake, makes a
 hang cost minutes. So the pool's deadline moves with progress. Each rank runs a sampler thread that,
-every ``SAMPLE_S``, reads where its main thread is (``sys._current_frames``: code objects and line
-numbers of the whole stack) and bumps the rank's tick in a shared array when that changed. A rank
-blocked in a collective, a store wait or a ``sleep`` sits in one frame and stops ticking; a rank that
-computes, however slowly, moves. The run fails once no rank ticked (and no result arrived) for
+every ``SAMPLE_S``, looks at its main thread and bumps the rank's tick in a shared array when the
+thread used CPU time (its own clock, ``pthread_getcpuclockid``) or its stack changed (code objects
+and line numbers, ``sys._current_frames``). The CPU clock is what a tight loop shows: the sampler
+gets the GIL at the same bytecode of each iteration, so the stack alone can look frozen. A rank
+blocked in a collective, a store wait or a ``sleep`` uses no CPU on its main thread and sits in one
+frame, so it stops ticking; a rank that computes, however slowly, moves. The run fails once no rank ticked (and no result arrived) for
 ``stall_s`` seconds; after a rank failed, the others get ``AFTER_FAILURE_S`` without progress to
 finish before the pool restarts. A hang that spins (a Python loop polling forever) keeps ticking:
 ``max_s``, a ceiling far above any healthy run, catches that. The sampler starts before the rank
@@ -46,6 +48,8 @@ from typing import Any, Callable, Iterator
 
 SAMPLE_S = 0.2
 """How often each rank's sampler looks at its main thread."""
+MIN_CPU_S = 0.005
+"""CPU seconds the main thread must have used since the last tick to count as moving."""
 STALL_S = 60.0
 """Default: seconds without progress on any rank before a run fails as hung."""
 MAX_S = 1200.0
@@ -82,14 +86,15 @@ def _stack_key(frame: Any) -> tuple:
 
 
 def _sample_progress(ticks: Any, rank: int, main_ident: int) -> None:
-    """Bump ``ticks[rank]`` whenever the main thread's stack changed since the last look."""
-    last = None
+    """Bump ``ticks[rank]`` whenever the main thread's stack changed or it used CPU since the last tick."""
+    clock = time.pthread_getcpuclockid(main_ident)
+    last_key, last_cpu = None, time.clock_gettime(clock)
     while True:
         time.sleep(SAMPLE_S)
-        key = _stack_key(sys._current_frames().get(main_ident))
-        if key != last:
+        key, cpu = _stack_key(sys._current_frames().get(main_ident)), time.clock_gettime(clock)
+        if key != last_key or cpu - last_cpu >= MIN_CPU_S:
             ticks[rank] += 1
-            last = key
+            last_key, last_cpu = key, cpu
 
 
 def _worker(rank: int, world_size: int, store_path: str, env: dict[str, str], tasks, results, ticks) -> None:
