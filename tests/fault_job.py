@@ -9,6 +9,7 @@ error then exits non-zero, as in a real job.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -56,9 +57,10 @@ def main() -> None:
                 t0 = time.monotonic()
             if step == 1 and scenario == "one_rank_collective":
                 if rank == 0:
+                    _signal_on_hang_report()
                     hs.full_state_dict(model)  # a collective on rank 0 only: the others never join
                 else:
-                    time.sleep(float(os.environ.get("FAULT_SLEEP", "12")))  # "evaluating" outside any collective
+                    _evaluate_until_hang_report(float(os.environ.get("FAULT_SLEEP", "120")))
                 break
             if bad and scenario == "hang":  # frozen: its sockets stay open, its watchdog answers nothing
                 print(f"HUNG {time.monotonic()}", flush=True)
@@ -88,6 +90,44 @@ def main() -> None:
         _report("error", err, t0, opt, state["saved"])
         raise
     _report("ok", None, t0, opt, state["saved"])
+
+
+HANG_REPORT_KEY = "fault_job/hang-report-written"
+
+
+def _side_store() -> dist.TCPStore:
+    """A connection of its own to the job's store (the runtime's threads keep using theirs)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=30))
+
+
+class _HangReportSeen(logging.StreamHandler):
+    """Prints warnings to stderr as Python does for a library without handlers (this handler takes
+    that place), and sets ``HANG_REPORT_KEY`` once the watchdog's hang report is out."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+        self.setLevel(logging.WARNING)
+        self.store = _side_store()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        super().emit(record)
+        if "has been in" in record.getMessage():
+            self.flush()
+            self.store.set(HANG_REPORT_KEY, "1")
+
+
+def _signal_on_hang_report() -> None:
+    logging.getLogger("hybridshard").addHandler(_HangReportSeen())
+
+
+def _evaluate_until_hang_report(at_most_s: float) -> None:
+    """Stay outside any collective ("evaluating") until rank 0's hang report, which asks this rank where
+    it is, has been written: not for a fixed time a loaded machine may not leave the report."""
+    try:
+        _side_store().wait([HANG_REPORT_KEY], timedelta(seconds=at_most_s))
+    except (RuntimeError, dist.DistError) as err:  # the report never came: the test says so
+        print(f"no hang report within {at_most_s:.0f}s: {err}", flush=True)
 
 
 def _weights(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -4,7 +4,7 @@ and conversions after ``shard``. Models and runs: tests/frozen_models.py."""
 
 from __future__ import annotations
 
-import time
+import threading
 from typing import Any
 
 import torch
@@ -82,17 +82,30 @@ def activation_peak(kind: str) -> int:
 
 
 def _settled(live: LiveTensorBytes) -> int:
-    """Live bytes once nothing more is freed: the communication thread (``overlap_grads``) lets go
-    of its last finished job a moment after the main thread took the result (it waits for the GIL),
-    and so does gloo's worker with a collective's aliases (see [Note: tensors handed to a backend
-    thread])."""
-    last = live.live()
-    for _ in range(50):
-        time.sleep(0.01)
-        now, last = last, live.live()
-        if now == last:
-            break
-    return last
+    """Live bytes once the threads that outlive a collective let go: the communication thread
+    (``overlap_grads``) drops its last finished job a moment after the main thread took the result,
+    and gloo's worker drops a collective's aliases after ``wait()`` (see [Note: tensors handed to a
+    backend thread]). Each is waited for by what it must do, not by watching the count stay put for
+    a while, which a thread starved of the CPU outlasts."""
+    from hybridshard.runtime.comm import handoff
+    from hybridshard.runtime.comm.executors import threads
+
+    ran = threading.Event()
+
+    class Marker:
+        """Queued behind every job: when it runs, the thread finished and dropped the ones before it."""
+
+        def run(self) -> None:
+            ran.set()
+
+    threads._worker().put(Marker())
+    assert ran.wait(BOUND_S), f"the communication thread did not finish its jobs within {BOUND_S}s"
+    assert handoff.settle(BOUND_S), f"a backend still held {handoff.sweep()} collective tensors after {BOUND_S}s"
+    return live.live()
+
+
+BOUND_S = 60.0
+"""How long ``_settled`` waits for a thread before failing (a hang guard; a healthy wait ends at once)."""
 
 
 def zero_grad_frees(strategy: str) -> dict:

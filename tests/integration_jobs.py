@@ -21,7 +21,7 @@ from tests import hf_models as HF
 
 MICRO, ACCUM, STEPS, LR, CLIP = 2, 2, 4, 0.1, 0.5
 """Per-rank micro-batch, micro-batches per step, steps, SGD learning rate, max gradient norm."""
-ADAMW_LR, WARMUP = 2e-3, 2
+ADAMW_LR, WARMUP = 2e-3, 1
 """The AdamW runs: peak learning rate, and warm-up steps of the linear schedule (then down to 0)."""
 LIT_STEPS = 2
 """Steps per epoch of the Lightning runs (which resume from an epoch's end): the rows of steps 0 and 1."""
@@ -51,13 +51,13 @@ def reference(world: int, blocks: list[int], *, clip: float | None = CLIP, optim
     the linear schedule with warm-up (:func:`linear_lr`). ``norms``: each step's total gradient norm."""
     model, _ = HF.make_model("llama")
     if optim == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, weight_decay=0.0)
-        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: linear_lr(step, len(blocks)))
+        opt, schedule = adamw_with_schedule(model.parameters(), len(blocks))
     else:
         opt, schedule = torch.optim.SGD(model.parameters(), lr=LR), None
     data, width = rows(world), ACCUM * world * MICRO
-    losses, norms = [], []
+    losses, norms, learning_rates = [], [], []
     for step in blocks:
+        learning_rates.append(opt.param_groups[0]["lr"])
         total = 0.0
         for m in range(ACCUM):
             lo = step * width + m * world * MICRO
@@ -70,7 +70,8 @@ def reference(world: int, blocks: list[int], *, clip: float | None = CLIP, optim
             schedule.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
-    return {"losses": losses, "norms": norms, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "norms": norms, "learning_rates": learning_rates,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 def linear_lr(step: int, steps: int) -> float:
@@ -190,23 +191,34 @@ def _lightning_env() -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
 
 
-def _lit_module(seed: int) -> Any:
+def adamw_with_schedule(params: Any, steps: int) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW (both moments kept) on the linear schedule with warm-up of :func:`linear_lr` over ``steps``."""
+    opt = torch.optim.AdamW(params, lr=ADAMW_LR, weight_decay=0.0)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: linear_lr(step, steps))
+
+
+def _lit_module(seed: int, optim: str = "sgd", steps: int = STEPS) -> Any:
     import lightning as L
 
     class LitLlama(L.LightningModule):
-        """The tiny Llama as a LightningModule: the loss of each micro-batch is kept to compare."""
+        """The tiny Llama as a LightningModule: the loss and learning rate of each micro-batch are kept to compare."""
 
         def __init__(self) -> None:
             super().__init__()
             self.llama, _ = HF.make_model("llama", seed=seed)
             self.losses: list[float] = []
+            self.learning_rates: list[float] = []
 
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
             loss = self.llama(**batch).loss
             self.losses.append(loss.item())
+            self.learning_rates.append(self.trainer.optimizers[0].param_groups[0]["lr"])
             return loss
 
-        def configure_optimizers(self) -> torch.optim.Optimizer:
+        def configure_optimizers(self) -> Any:
+            if optim == "adamw":  # the schedule steps with the optimizer, once per accumulated step
+                opt, schedule = adamw_with_schedule(self.parameters(), steps)
+                return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
             return torch.optim.SGD(self.parameters(), lr=LR)
 
     return LitLlama()
@@ -219,11 +231,13 @@ def _step_losses(micro_losses: list[float]) -> list[float]:
     return (t / torch.distributed.get_world_size()).reshape(-1, ACCUM).mean(dim=1).tolist()
 
 
-def lightning_train(strategy: str, out: str, epochs: int = 2, clip: float | None = CLIP) -> dict[str, Any]:
+def lightning_train(strategy: str, out: str, epochs: int = 2, clip: float | None = CLIP, optim: str = "sgd") -> dict[str, Any]:
     """``Trainer.fit`` for ``epochs`` epochs of ``LIT_STEPS`` steps each, a checkpoint per epoch; then a fresh
     module (other weights) resumed from the first epoch's checkpoint. ``strategy``: a registered name
     (``"hybridshard"``), or ``"instance:<sharding strategy>"`` for a ``HybridShardStrategy`` object.
-    ``clip``: ``gradient_clip_val`` (None: unclipped SGD, where a gradient off by a constant factor shows)."""
+    ``clip``: ``gradient_clip_val`` (None: unclipped SGD, where a gradient off by a constant factor shows).
+    ``optim``: "sgd" at a constant rate, or "adamw" on the linear schedule with warm-up over all the steps
+    (the resume must restore both moments and the schedule's step)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -253,19 +267,23 @@ def lightning_train(strategy: str, out: str, epochs: int = 2, clip: float | None
         trainer.fit(module, data, ckpt_path=ckpt_path)
         return trainer
 
-    module = _lit_module(seed=0)
+    module = _lit_module(seed=0, optim=optim, steps=epochs * LIT_STEPS)
     trainer = fit(module, None)
     result: dict[str, Any] = {
-        "losses": _step_losses(module.losses), "strategy": type(trainer.strategy).__name__,
+        "losses": _step_losses(module.losses), "learning_rates": module.learning_rates[::ACCUM],
+        "strategy": type(trainer.strategy).__name__,
         "units": len(module.hybridshard_runtime.units), "global_step": trainer.global_step,
         "state": {k.removeprefix("llama."): v for k, v in hs.full_state_dict(module).items()},
         "checkpoints": sorted(os.listdir(out)),
     }
     first = os.path.join(out, next(c for c in result["checkpoints"] if c.startswith("epoch=0")))
-    resumed = _lit_module(seed=1)
+    resumed = _lit_module(seed=1, optim=optim, steps=epochs * LIT_STEPS)
     fit(resumed, first)
     result["resumed_losses"] = _step_losses(resumed.losses)
+    result["resumed_learning_rates"] = resumed.learning_rates[::ACCUM]
     result["resumed_state"] = {k.removeprefix("llama."): v for k, v in hs.full_state_dict(resumed).items()}
+    if optim != "sgd":
+        return result
     two = _lit_module(seed=0)
     params = list(two.parameters())
     two.configure_optimizers = lambda: [torch.optim.SGD(params[:1], lr=LR), torch.optim.SGD(params[1:], lr=LR)]
@@ -281,10 +299,12 @@ def lightning_train(strategy: str, out: str, epochs: int = 2, clip: float | None
 # Lightning Fabric
 
 
-def fabric_train(out: str) -> dict[str, Any]:
+def fabric_train(out: str, optim: str = "sgd") -> dict[str, Any]:
     """A Fabric loop over the rows of ``reference`` (``fabric.no_backward_sync`` for accumulation,
     ``fabric.clip_gradients``), ``fabric.save`` after step 2; then a fresh model (other weights)
-    ``fabric.load``-ed from it, finishing the run."""
+    ``fabric.load``-ed from it, finishing the run. ``optim``: "sgd" (clipped, constant rate) or "adamw"
+    (unclipped, the linear schedule with warm-up saved beside the optimizer: the resume must restore
+    both moments and the schedule's step)."""
     import lightning as L
 
     import hybridshard as hs
@@ -297,30 +317,45 @@ def fabric_train(out: str) -> dict[str, Any]:
     fabric.launch()
     data, width, path = rows(world), ACCUM * world * MICRO, os.path.join(out, "step-2")
 
-    def run(seed: int, resume: bool) -> tuple[list[float], Any]:
+    def run(seed: int, resume: bool) -> tuple[list[float], list[float], list[float], Any]:
         model = fabric.setup_module(HF.make_model("llama", seed=seed)[0])
-        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR))
+        if optim == "adamw":
+            optimizer, schedule = adamw_with_schedule(model.parameters(), STEPS)
+            optimizer = fabric.setup_optimizers(optimizer)
+        else:
+            optimizer, schedule = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR)), None
         state = {"model": model, "optimizer": optimizer, "step": 0}
+        if schedule is not None:
+            state["schedule"] = schedule
         if resume:
             fabric.load(path, state)
-        micro_losses, norms = [], []
+        micro_losses, norms, learning_rates = [], [], []
         for step in range(state["step"], STEPS):
+            learning_rates.append(optimizer.param_groups[0]["lr"])
             for m in range(ACCUM):
                 lo = step * width + m * world * MICRO + fabric.global_rank * MICRO
                 with fabric.no_backward_sync(model, enabled=m < ACCUM - 1):
                     loss = model(**{k: v[lo : lo + MICRO] for k, v in data.items()}).loss
                     fabric.backward(loss / ACCUM)
                 micro_losses.append(loss.item())
-            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=CLIP)))
+            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=CLIP if optim == "sgd" else float("inf"))))
             optimizer.step()
+            if schedule is not None:
+                schedule.step()
             optimizer.zero_grad()
             state["step"] = step + 1
             if state["step"] == 2 and not resume:
                 fabric.save(path, state)
-        return _step_losses(micro_losses), norms, sharded_module(model)
+        return _step_losses(micro_losses), norms, learning_rates, sharded_module(model)
 
-    losses, norms, model = run(seed=0, resume=False)
-    resumed_losses, resumed_norms, resumed = run(seed=1, resume=True)
+    losses, norms, learning_rates, model = run(seed=0, resume=False)
+    resumed_losses, resumed_norms, resumed_learning_rates, resumed = run(seed=1, resume=True)
+    result = {"losses": losses, "norms": norms, "learning_rates": learning_rates, "resumed_norms": resumed_norms,
+              "resumed_learning_rates": resumed_learning_rates, "state": hs.full_state_dict(model),
+              "resumed_losses": resumed_losses, "resumed_state": hs.full_state_dict(resumed),
+              "strategy": type(fabric.strategy).__name__, "units": len(model.hybridshard_runtime.units)}
+    if optim != "sgd":
+        return result
     before = hs.full_state_dict(resumed)
     try:  # a state naming an entry the checkpoint lacks: refused, the model unchanged
         fabric.load(path, {"model": resumed, "step": 0, "epoch": 0})
@@ -329,7 +364,4 @@ def fabric_train(out: str) -> dict[str, Any]:
         unknown = str(e).splitlines()[0]
     after = hs.full_state_dict(resumed)
     unknown += f" | unchanged={all(torch.equal(before[k], after[k]) for k in before)}"
-    return {"losses": losses, "norms": norms, "resumed_norms": resumed_norms,
-            "state": hs.full_state_dict(model), "resumed_losses": resumed_losses,
-            "resumed_state": hs.full_state_dict(resumed), "strategy": type(fabric.strategy).__name__,
-            "units": len(model.hybridshard_runtime.units), "unknown_entry": unknown}
+    return {**result, "unknown_entry": unknown}

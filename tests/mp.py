@@ -12,23 +12,56 @@ default process group initialised (gloo over a file store). Each rank sees ``RAN
 would set them. ``layout="block"`` places ranks ``[0, 1]`` on node0 and ``[2, 3]`` on node1;
 ``layout="cyclic"`` places them round-robin (SLURM ``--distribution=cyclic``): node0 gets ``[0, 2]``.
 
-A rank that raises fails the run with its traceback; a run that exceeds ``timeout`` kills every rank
-and raises ``TimeoutError`` (then the pool restarts on its next use), so a hang fails fast.
+A rank that raises fails the run with its traceback. A run in which no rank makes progress for
+``stall_s`` seconds kills every rank and raises ``TimeoutError`` (then the pool restarts on its next
+use), so a hang fails fast; see [Note: progress, not wall-clock].
+
+[Note: progress, not wall-clock]
+A fixed deadline per run either flakes on a loaded machine (two cores shared by several test runs
+stretch a 20 s job past any bound chosen on an idle one) or, set wide enough never to flake, makes a
+hang cost minutes. So the pool's deadline moves with progress. Each rank runs a sampler thread that,
+every ``SAMPLE_S``, looks at its main thread and bumps the rank's tick in a shared array when the
+thread used CPU time (its own clock, ``pthread_getcpuclockid``) or its stack changed (code objects
+and line numbers, ``sys._current_frames``). The CPU clock is what a tight loop shows: the sampler
+gets the GIL at the same bytecode of each iteration, so the stack alone can look frozen. A rank
+blocked in a collective, a store wait or a ``sleep`` uses no CPU on its main thread and sits in one
+frame, so it stops ticking; a rank that computes, however slowly, moves. The run fails once no rank ticked (and no result arrived) for
+``stall_s`` seconds; after a rank failed, the others get ``AFTER_FAILURE_S`` without progress to
+finish before the pool restarts. A hang that spins (a Python loop polling forever) keeps ticking:
+``max_s``, a ceiling far above any healthy run, catches that. The sampler starts before the rank
+imports torch (this module imports it lazily), so a slow start-up counts as progress too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-import torch.multiprocessing as mp
+SAMPLE_S = 0.2
+"""How often each rank's sampler looks at its main thread."""
+MIN_CPU_S = 0.005
+"""CPU seconds the main thread must have used since the last tick to count as moving."""
+STALL_S = 60.0
+"""Default: seconds without progress on any rank before a run fails as hung."""
+MAX_S = 1200.0
+"""Default ceiling on one run, for hangs that spin (see [Note: progress, not wall-clock])."""
+AFTER_FAILURE_S = 5.0
+"""Seconds without progress granted to the other ranks once one rank failed."""
 
-_CTX = mp.get_context("spawn")
+
+def _spawn():
+    import torch.multiprocessing as mp  # lazily: the ranks start their sampler before torch loads
+
+    return mp.get_context("spawn")
 
 
 def node_placement(world_size: int, num_nodes: int, layout: str) -> list[tuple[str, int]]:
@@ -43,7 +76,30 @@ def node_placement(world_size: int, num_nodes: int, layout: str) -> list[tuple[s
     raise ValueError(f"layout must be 'block' or 'cyclic', got {layout!r}")
 
 
-def _worker(rank: int, world_size: int, store_path: str, env: dict[str, str], tasks, results) -> None:
+def _stack_key(frame: Any) -> tuple:
+    """Where a thread is: (code object id, line) of every frame of its stack."""
+    key = []
+    while frame is not None:
+        key.append((id(frame.f_code), frame.f_lineno))
+        frame = frame.f_back
+    return tuple(key)
+
+
+def _sample_progress(ticks: Any, rank: int, main_ident: int) -> None:
+    """Bump ``ticks[rank]`` whenever the main thread's stack changed or it used CPU since the last tick."""
+    clock = time.pthread_getcpuclockid(main_ident)
+    last_key, last_cpu = None, time.clock_gettime(clock)
+    while True:
+        time.sleep(SAMPLE_S)
+        key, cpu = _stack_key(sys._current_frames().get(main_ident)), time.clock_gettime(clock)
+        if key != last_key or cpu - last_cpu >= MIN_CPU_S:
+            ticks[rank] += 1
+            last_key, last_cpu = key, cpu
+
+
+def _worker(rank: int, world_size: int, store_path: str, env: dict[str, str], tasks, results, ticks) -> None:
+    threading.Thread(target=_sample_progress, args=(ticks, rank, threading.get_ident()), daemon=True,
+                     name="progress-sampler").start()
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -67,7 +123,11 @@ def _worker(rank: int, world_size: int, store_path: str, env: dict[str, str], ta
 
 
 class RankPool:
-    """``world_size`` spawned gloo ranks on ``num_nodes`` simulated nodes."""
+    """``world_size`` spawned gloo ranks on ``num_nodes`` simulated nodes.
+
+    ``stall_s``: a run fails when no rank made progress for this long; ``max_s``: the ceiling on one
+    run (see [Note: progress, not wall-clock]). ``timeout`` is an older name for ``max_s``.
+    """
 
     def __init__(
         self,
@@ -75,13 +135,16 @@ class RankPool:
         *,
         num_nodes: int = 2,
         layout: str = "block",
-        timeout: float = 120.0,
+        stall_s: float = STALL_S,
+        max_s: float = MAX_S,
+        timeout: float | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
         self.world_size = world_size
         self.num_nodes = num_nodes
         self.layout = layout
-        self.timeout = timeout
+        self.stall_s = stall_s
+        self.max_s = max_s if timeout is None else timeout
         self.placement = node_placement(world_size, num_nodes, layout)
         self._extra_env = dict(env or {})
         self._procs: list = []
@@ -91,8 +154,10 @@ class RankPool:
     def _start(self) -> None:
         self._tmp = tempfile.mkdtemp(prefix="hs-pool-")
         store_path = os.path.join(self._tmp, "store")
-        self._tasks = [_CTX.Queue() for _ in range(self.world_size)]
-        self._results = _CTX.Queue()
+        ctx = _spawn()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._ticks = ctx.Array("q", self.world_size, lock=False)
         per_node = self.world_size // self.num_nodes
         self._procs = []
         for rank, (node, local_rank) in enumerate(self.placement):
@@ -106,9 +171,9 @@ class RankPool:
                 "MASTER_ADDR": "127.0.0.1",
                 **self._extra_env,
             }
-            p = _CTX.Process(
+            p = ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, store_path, env, self._tasks[rank], self._results),
+                args=(rank, self.world_size, store_path, env, self._tasks[rank], self._results, self._ticks),
                 daemon=True,
             )
             p.start()
@@ -125,34 +190,49 @@ class RankPool:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+    def run(
+        self, fn: Callable[..., Any], *args: Any, stall_s: float | None = None, max_s: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order. ``stall_s`` and
+        ``max_s`` override the pool's for this run (see [Note: progress, not wall-clock])."""
         if not self._procs:
             self._start()
         for q in self._tasks:
             q.put((fn, args, kwargs))
-        deadline = time.monotonic() + (timeout or self.timeout)
+        stall = stall_s or self.stall_s
+        start = time.monotonic()
+        ceiling = start + (max_s or self.max_s)
+        last_ticks, last_progress = list(self._ticks), start
         out: dict[int, Any] = {}
         failures: dict[int, str] = {}
         while len(out) + len(failures) < self.world_size:
             try:
                 rank, ok, value = self._results.get(timeout=0.5)
             except queue.Empty:
+                now, ticks = time.monotonic(), list(self._ticks)
+                if ticks != last_ticks:
+                    last_ticks, last_progress = ticks, now
                 dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
+                if dead or now - last_progress > stall or now > ceiling:
                     self._kill()
                     if failures:
                         break
-                    what = f"ranks {dead} died" if dead else f"timed out after {timeout or self.timeout:.0f}s"
+                    if dead:
+                        what = f"ranks {dead} died"
+                    elif now > ceiling:
+                        what = f"still running at the ceiling of {now - start:.0f}s"
+                    else:
+                        what = f"no rank made progress for {stall:.0f}s (hung after {now - start:.0f}s)"
                     raise TimeoutError(f"{fn.__name__}: {what}; ranks done: {sorted(out)}")
                 continue
+            last_progress = time.monotonic()
             if ok:
                 out[rank] = value
             else:
                 failures[rank] = value
-                # The other ranks may now wait forever in a collective: give them a moment, then
-                # restart the pool rather than hang.
-                deadline = min(deadline, time.monotonic() + 5)
+                # The other ranks may now wait forever in a collective: once they stop moving, restart
+                # the pool rather than hang.
+                stall = min(stall, AFTER_FAILURE_S)
         if failures:
             if len(out) + len(failures) < self.world_size:
                 self._kill()
@@ -184,15 +264,31 @@ def run_rank_processes(
     as torchrun would but without its agent killing the others when one fails: the survivors'
     own behaviour is what a fault test looks at. Returns ``(exit code or None if killed at the
     timeout, stdout, seconds)`` per rank."""
-    import subprocess
-    import sys
+    # This process hosts the job's store, as torchrun's agent does, so it outlives any rank.
+    with held_store() as store:
+        return _run_ranks(argv, world_size, store.port, num_nodes=num_nodes, timeout=timeout, env=env)
 
+
+@contextlib.contextmanager
+def held_store(host: str = "127.0.0.1") -> Iterator[Any]:
+    """A TCP store this process hosts until the block ends, on a port the kernel chose as it bound it.
+
+    Hand its port to the processes of a job (``MASTER_PORT``, or ``--rdzv-endpoint HOST:PORT`` of a
+    c10d rendezvous, whose agents then find the port taken and connect as clients): a port probed
+    free and bound later by someone else may have been taken in between by any process on the host.
+    """
     import torch.distributed as dist
 
-    # This process hosts the job's store, as torchrun's agent does, so it outlives any rank; on a port
-    # it binds itself (0: the kernel's choice), handed to the ranks, so no other process can take it first.
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    port = store.port
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    try:
+        yield store
+    finally:
+        del store
+
+
+def _run_ranks(
+    argv: list[str], world_size: int, port: int, *, num_nodes: int, timeout: float, env: dict[str, str] | None
+) -> list[tuple[int | None, str, float]]:
     per_node = world_size // num_nodes
     procs = []
     start = time.monotonic()
@@ -215,5 +311,4 @@ def run_rank_processes(
             p.kill()
             text, _ = p.communicate()
             out.append((None, text, time.monotonic() - start))
-    del store
     return out

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(4, num_nodes=2, layout="block", timeout=90) as p:
+    with RankPool(4, num_nodes=2, layout="block") as p:
         yield p
 
 

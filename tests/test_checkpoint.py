@@ -35,7 +35,7 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(WORLD, num_nodes=2, layout="block", timeout=90) as p:
+    with RankPool(WORLD, num_nodes=2, layout="block") as p:
         yield p
 
 
@@ -252,14 +252,14 @@ def test_save_killed_half_way_leaves_the_previous_checkpoint(pool, tmp_path):
     ref = pool.run(stage, "HYBRID_SHARD", load=None, save=good, seed=1, train_steps=1)[0]
 
     with pytest.raises((TimeoutError, AssertionError), match="died|failed"):
-        pool.run(save_then_die, str(ckdir / "step_00000002"), "write", timeout=60)
+        pool.run(save_then_die, str(ckdir / "step_00000002"), "write", stall_s=60)
     assert os.path.isdir(ckdir / "step_00000002.partial") and not os.path.exists(ckdir / "step_00000002")
     assert hs.latest_checkpoint(ckdir) == good
     with pytest.raises(ValueError, match="did not finish"):
         hs.load_checkpoint(ckdir / "step_00000002", RM.make_model(0))
 
     with pytest.raises((TimeoutError, AssertionError), match="died|failed"):
-        pool.run(save_then_die, good, "publish", timeout=60)  # overwriting, killed between the renames
+        pool.run(save_then_die, good, "publish", stall_s=60)  # overwriting, killed between the renames
     assert not os.path.exists(good) and hs.latest_checkpoint(ckdir) == good + CK._OLD
     model = RM.make_model(50)
     opt = torch.optim.AdamW(model.parameters(), lr=1.0)

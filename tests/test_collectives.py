@@ -126,7 +126,7 @@ def count_one_call() -> dict:
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(WORLD, num_nodes=2, layout="block", timeout=120) as p:
+    with RankPool(WORLD, num_nodes=2, layout="block") as p:
         yield p
 
 

@@ -167,7 +167,7 @@ def edge_cases() -> dict:
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(WORLD, num_nodes=2, layout="block", timeout=120) as p:
+    with RankPool(WORLD, num_nodes=2, layout="block") as p:
         yield p
 
 

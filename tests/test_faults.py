@@ -121,12 +121,13 @@ def test_rank_that_skipped_a_whole_step_fails_and_is_named():
 
 def test_collective_on_one_rank_gets_a_hang_report():
     # The fault check runs too: every rank answers (alive, elsewhere), so rank 0 does not stop on it.
-    env = {"HYBRIDSHARD_HANG_SECONDS": "3", "HYBRIDSHARD_FAULT_SECONDS": "2", "FAULT_SLEEP": "15",
+    # Ranks 1-3 wait outside any collective until rank 0 logged its report (FAULT_SLEEP bounds that wait).
+    env = {"HYBRIDSHARD_HANG_SECONDS": "3", "HYBRIDSHARD_FAULT_SECONDS": "2", "FAULT_SLEEP": "120",
            "HYBRIDSHARD_EXIT_WAIT": "2"}
     results = _run("one_rank_collective", env=env)
     report = results[0]["output"]
     assert "has been in all_gather" in report and "longer than 3s" in report, report
-    # Written while ranks 1-3 were still alive (they sleep 15 s outside any collective): every rank answered.
+    # Written while ranks 1-3 were still alive (they wait for it outside any collective): every rank answered.
     for rank in (1, 2, 3):
         assert f"rank {rank}: not in a collective of the runtime (step 1" in report, report
     assert "rank 0: in all_gather" in report and "in full_state_dict" in report, report

@@ -39,7 +39,7 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(WORLD, num_nodes=2, layout="block", timeout=240) as p:
+    with RankPool(WORLD, num_nodes=2, layout="block") as p:
         yield p
 
 

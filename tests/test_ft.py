@@ -265,10 +265,13 @@ def test_launch_restarts_a_lost_nodes_workers_alone(tmp_path):
     import time
 
     from tests.ft.cluster import ROOT, WORKER
-    from hybridshard.launcher.local_cluster import free_port
+    from tests.mp import held_store
 
     lighthouse = _lighthouse()
-    port = free_port()
+    # Each node runs a one-node job on a port of its own (see [Note: fault-tolerant launch]); the endpoint
+    # names a port this test holds, so whatever binds or dials it finds the test's store, not a stranger.
+    held = contextlib.ExitStack()
+    port = held.enter_context(held_store()).port
     logs = [str(tmp_path / f"node{i}.jsonl") for i in range(2)]
     agents = []
 
@@ -314,6 +317,7 @@ def test_launch_restarts_a_lost_nodes_workers_alone(tmp_path):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         lighthouse.shutdown()
+        held.close()
     assert len({r["pid"] for r in records(0)}) == 1
     second = [r for r in records(1) if r["pid"] != killed["pid"]]
     assert second and second[0]["step"] > killed["step"], "the restarted worker did not heal"

@@ -34,7 +34,7 @@ def _ids(configs):
 
 @pytest.fixture(scope="module")
 def block_results():
-    with RankPool(WORLD, num_nodes=2, layout="block", timeout=240) as pool:
+    with RankPool(WORLD, num_nodes=2, layout="block") as pool:
         trained = pool.run(HF.run_configs, BLOCK)
         generated = {
             (kind, s): pool.run(HF.generate, kind, s, PROMPT, NEW_TOKENS)
@@ -45,7 +45,7 @@ def block_results():
 
 @pytest.fixture(scope="module")
 def cyclic_results():
-    with RankPool(WORLD, num_nodes=2, layout="cyclic", timeout=120) as pool:
+    with RankPool(WORLD, num_nodes=2, layout="cyclic") as pool:
         return pool.run(HF.run_configs, CYCLIC)
 
 

@@ -7,8 +7,9 @@ fresh trainer whose model starts from other weights. A clip at a norm the gradie
 gives the same update for a gradient off by a constant factor (summed over ranks or micro-batches
 instead of averaged), so in each library one run sees the scale: the gradient norm the system reports
 is compared with the reference's (HF Trainer's logged ``grad_norm``, Fabric's ``clip_gradients``), and
-one run trains unclipped (Lightning's SGD; HF's AdamW on a linear schedule with warm-up, whose resume
-must restore both moments and the schedule). One pool runs every job (tests/integration_jobs.py).
+one run trains unclipped (Lightning's SGD). In each library one run trains with AdamW on a linear
+schedule with warm-up (unclipped): its resume must restore both moments and the schedule's step. One
+pool runs every job (tests/integration_jobs.py).
 """
 
 from __future__ import annotations
@@ -33,25 +34,31 @@ TOL = 1e-5
 HF_STRATEGIES = ("HYBRID_SHARD", "FULL_SHARD")
 HF_OPTIM = {"HYBRID_SHARD": "sgd", "FULL_SHARD": "adamw"}
 """HF runs: clipped SGD at a constant rate, and unclipped AdamW on a linear schedule."""
-LIGHTNING_RUNS = ("hybridshard", "instance:FULL_SHARD")
-"""Lightning runs: the registered name (HYBRID_SHARD), and a HybridShardStrategy(sharding_strategy="FULL_SHARD")."""
-LIGHTNING_CLIP = {"hybridshard": J.CLIP, "instance:FULL_SHARD": None}
+LIGHTNING_RUNS = ("hybridshard", "instance:FULL_SHARD", "hybridshard_zero2")
+"""Lightning runs: the registered names "hybridshard" (HYBRID_SHARD) and "hybridshard_zero2" (HYBRID_SHARD_ZERO2),
+and a HybridShardStrategy(sharding_strategy="FULL_SHARD")."""
+LIGHTNING_CLIP = {"hybridshard": J.CLIP, "instance:FULL_SHARD": None, "hybridshard_zero2": None}
+LIGHTNING_OPTIM = {"hybridshard": "sgd", "instance:FULL_SHARD": "sgd", "hybridshard_zero2": "adamw"}
+FABRIC_RUNS = ("sgd", "adamw")
+"""Fabric runs: clipped SGD at a constant rate, and unclipped AdamW on a linear schedule."""
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("integrations")
     out = {"dirs": {}}
-    with RankPool(WORLD, num_nodes=2, layout="block", timeout=240) as pool:
+    with RankPool(WORLD, num_nodes=2, layout="block") as pool:
         for s in HF_STRATEGIES:
             out["dirs"][s] = str(root / f"hf-{s}")
             out[s] = pool.run(J.hf_train, s, out["dirs"][s], HF_OPTIM[s])
         out["hf_errors"] = pool.run(J.hf_errors, str(root / "hf-errors"))[0]
         for name in LIGHTNING_RUNS:
             out["dirs"][name] = str(root / f"lightning-{name.replace(':', '-')}")
-            out[name] = pool.run(J.lightning_train, name, out["dirs"][name], clip=LIGHTNING_CLIP[name])
-        out["dirs"]["fabric"] = str(root / "fabric")
-        out["fabric"] = pool.run(J.fabric_train, out["dirs"]["fabric"])
+            out[name] = pool.run(J.lightning_train, name, out["dirs"][name], clip=LIGHTNING_CLIP[name],
+                                 optim=LIGHTNING_OPTIM[name])
+        for optim in FABRIC_RUNS:
+            out["dirs"][f"fabric-{optim}"] = str(root / f"fabric-{optim}")
+            out[f"fabric-{optim}"] = pool.run(J.fabric_train, out["dirs"][f"fabric-{optim}"], optim)
     return out
 
 
@@ -60,7 +67,8 @@ def reference():
     steps, epochs = list(range(J.STEPS)), [0, 1] * (J.STEPS // 2)
     with RM.single_thread():
         return {"sgd": J.reference(WORLD, steps), "adamw": J.reference(WORLD, steps, clip=None, optim="adamw"),
-                "hybridshard": J.reference(WORLD, epochs), "instance:FULL_SHARD": J.reference(WORLD, epochs, clip=None)}
+                "hybridshard": J.reference(WORLD, epochs), "instance:FULL_SHARD": J.reference(WORLD, epochs, clip=None),
+                "hybridshard_zero2": J.reference(WORLD, epochs, clip=None, optim="adamw")}
 
 
 def _max_diff(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -99,10 +107,16 @@ def test_hf_clipping_is_on(reference):
     assert min(reference["sgd"]["norms"]) > J.CLIP
 
 
-def test_adamw_schedule_changes_across_the_resume():
-    """The AdamW runs' rates differ before and after the checkpoint at step 2, and on the two steps after it."""
+def test_adamw_schedule_changes_across_the_resume(reference):
+    """The AdamW runs' rates differ before and after the checkpoint at step 2, and on the two steps after it.
+
+    A resume that restores the optimizer but not the schedule runs step 2 at the optimizer's saved rate,
+    then restarts the schedule: step 3 gets the factor of step 1. That must differ from step 3's own."""
     rates = [J.linear_lr(step, J.STEPS) for step in range(J.STEPS)]
-    assert rates == [0.0, 0.5, 1.0, 0.5]
+    assert rates == pytest.approx([0.0, 1.0, 2 / 3, 1 / 3], rel=1e-12)
+    assert rates[1] != rates[3]
+    for ref in (reference["adamw"], reference["hybridshard_zero2"]):
+        assert ref["learning_rates"] == pytest.approx([J.ADAMW_LR * r for r in rates], rel=1e-12)
 
 
 @pytest.mark.parametrize("strategy", HF_STRATEGIES)
@@ -165,6 +179,9 @@ def test_lightning_resume_continues_with_the_same_losses(runs, reference, run):
     for r in runs[run]:
         assert r["resumed_losses"] == pytest.approx(ref["losses"][J.LIT_STEPS:], abs=TOL)
         assert _max_diff(r["resumed_state"], ref["state"]) <= TOL
+        # The rate of every step, the resumed ones included: the schedule went on from its step.
+        assert r["learning_rates"] == pytest.approx(ref["learning_rates"], rel=1e-12)
+        assert r["resumed_learning_rates"] == pytest.approx(ref["learning_rates"][J.LIT_STEPS:], rel=1e-12)
 
 
 def test_lightning_takes_one_optimizer(runs):
@@ -221,18 +238,23 @@ def test_lightning_refuses_other_precisions():
 # Lightning Fabric
 
 
-def test_fabric_matches_one_process_and_resumes(runs, reference):
-    ref = reference["sgd"]  # the same rows in the same steps
-    for r in runs["fabric"]:
+@pytest.mark.parametrize("optim", FABRIC_RUNS)
+def test_fabric_matches_one_process_and_resumes(runs, reference, optim):
+    ref = reference[optim]  # the same rows in the same steps
+    for r in runs[f"fabric-{optim}"]:
         _check_parity(r["losses"], r["state"], ref, norms=r["norms"])
         assert r["resumed_norms"] == pytest.approx(ref["norms"][2:], rel=TOL, abs=TOL)
         assert r["strategy"] == "HybridShardFabricStrategy" and r["units"] == 3
         assert r["resumed_losses"] == pytest.approx(ref["losses"][2:], abs=TOL)
         assert _max_diff(r["resumed_state"], ref["state"]) <= TOL
-    assert "names ['epoch'], which" in runs["fabric"][0]["unknown_entry"]
-    assert runs["fabric"][0]["unknown_entry"].endswith("unchanged=True")
-    manifest = json.load(open(os.path.join(runs["dirs"]["fabric"], "step-2", "hybridshard.json")))
+        assert r["learning_rates"] == pytest.approx(ref["learning_rates"], rel=1e-12)
+        assert r["resumed_learning_rates"] == pytest.approx(ref["learning_rates"][2:], rel=1e-12)
+    manifest = json.load(open(os.path.join(runs["dirs"][f"fabric-{optim}"], "step-2", "hybridshard.json")))
     assert manifest["optimizer"] is not None and manifest["extra"]
+    if optim == "adamw":
+        return
+    assert "names ['epoch'], which" in runs["fabric-sgd"][0]["unknown_entry"]
+    assert runs["fabric-sgd"][0]["unknown_entry"].endswith("unchanged=True")
 
 
 def test_fabric_registers_the_names_and_refuses_other_precisions():

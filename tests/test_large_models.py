@@ -73,7 +73,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def block(checkpoints):
     paths = checkpoints["paths"]
-    with RankPool(WORLD, num_nodes=2, layout="block", timeout=240) as pool:
+    with RankPool(WORLD, num_nodes=2, layout="block") as pool:
         return {
             "init": pool.run(J.init_states, INITS),
             "load": pool.run(J.load_logits, LOADS, paths),
@@ -87,7 +87,7 @@ def block(checkpoints):
 
 @pytest.fixture(scope="module")
 def cyclic(checkpoints):
-    with RankPool(WORLD, num_nodes=2, layout="cyclic", timeout=120) as pool:
+    with RankPool(WORLD, num_nodes=2, layout="cyclic") as pool:
         return pool.run(J.load_logits, CYCLIC, checkpoints["paths"])
 
 

@@ -252,7 +252,7 @@ def activation_peak() -> int:
 
 @pytest.fixture(scope="module")
 def measured():
-    with RankPool(WORLD, num_nodes=2, layout="block", timeout=150) as pool:
+    with RankPool(WORLD, num_nodes=2, layout="block") as pool:
         return pool.run(run_cases), activation_peak()
 
 

@@ -162,7 +162,7 @@ def bad_meshes() -> dict[str, str | None]:
 
 @pytest.fixture(scope="module", params=["block", "cyclic"])
 def pool(request):
-    with RankPool(WORLD, num_nodes=2, layout=request.param, timeout=150) as p:
+    with RankPool(WORLD, num_nodes=2, layout=request.param) as p:
         yield p
 
 
@@ -203,7 +203,7 @@ def test_shard_mesh_equals_shard_groups(pool):
 
 
 def test_bad_meshes_raise_value_errors(pool):
-    per_rank = pool.run(bad_meshes, timeout=60)
+    per_rank = pool.run(bad_meshes, stall_s=60)
     for rank, errors in enumerate(per_rank):
         assert "either groups= or mesh=, not both" in errors["both"], errors
         assert "('replicate', 'shard')" in errors["names"] and "('dp', 'fsdp')" in errors["names"], errors

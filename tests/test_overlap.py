@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import pytest
 import torch
@@ -39,7 +38,7 @@ CONFIGS += [RM.Config(strategy=s, prefetch=p, overlap_grads=o, steps=3, micro_st
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(WORLD, num_nodes=2, layout="block", timeout=150) as pool:
+    with RankPool(WORLD, num_nodes=2, layout="block") as pool:
         yield pool
 
 
@@ -181,24 +180,46 @@ def test_a_changed_unit_order_costs_nothing_but_time(pool):
 
 # -- the gradient path really overlaps backward ----------------------------------------------------
 
-def run_with_slow_replicate(overlap: bool, delay: float) -> dict:
-    """Every replicate-group all-reduce is made ``delay`` seconds slower; record, at each block's
-    post-backward, how many earlier units' reductions were still running."""
+def run_with_held_replicate(overlap: bool) -> dict:
+    """Hold every replicate-group all-reduce that the communication thread issues until backward shows
+    two jobs in flight at a post-backward hook, or until the runtime waits for a job (then the test
+    fails, not hangs); record, at each block's post-backward, how many units' reductions were unfinished.
+
+    [Note: held, not slowed]
+    A reduction made slower by a sleep is still in flight at the next hooks only while the main thread
+    outruns the sleep, which a loaded machine does not promise. Held on an event, the first reduction
+    cannot finish before the main thread looks: overlapped, the third hook sees the first job (held)
+    and the second (queued behind it on the one thread) and releases them. A runtime that waited for a
+    reduction inside backward would instead reach ``GradJob.wait`` or ``drain`` with the event unset:
+    those release it and say so in ``released_by``."""
     import hybridshard as hs
     from hybridshard.runtime.comm import collectives as C
+    from hybridshard.runtime.comm.executors import threads as T
     from hybridshard.runtime.comm.executors.base import JobState
     from hybridshard.topology import groups as G
 
-    real = C.all_reduce
+    real_all_reduce, real_wait = C.all_reduce, T.GradJob.wait
     threads: set[str] = set()
+    gate = threading.Event()
+    released_by: list[str] = []
 
-    def slow(tensor, group, *args, **kwargs):
+    def release(why: str) -> None:
+        if not gate.is_set():
+            released_by.append(why)
+            gate.set()
+
+    def held(tensor, group, *args, **kwargs):
         if G.group_name(group) == "replicate":
             threads.add(threading.current_thread().name)
-            time.sleep(delay)
-        return real(tensor, group, *args, **kwargs)
+            if threading.current_thread() is not threading.main_thread():
+                gate.wait()
+        return real_all_reduce(tensor, group, *args, **kwargs)
 
-    C.all_reduce = slow
+    def wait(job):
+        release("wait")
+        return real_wait(job)
+
+    C.all_reduce, T.GradJob.wait = held, wait
     try:
         model = RM.make_model(num_blocks=4)
         hs.shard(model, strategy="HYBRID_SHARD", groups=RM.groups(), wrap={RM.Block}, overlap_grads=overlap,
@@ -210,33 +231,39 @@ def run_with_slow_replicate(overlap: bool, delay: float) -> dict:
 
             def post(leaf, original=original):
                 in_flight.append(sum(job.state is not JobState.REDUCED for job in runtime.executor._jobs))
+                if in_flight[-1] >= 2:
+                    release("hook")
                 original(leaf)
             unit.flat.unsharded._post_accumulate_grad_hooks.clear()
             unit.flat.unsharded.register_post_accumulate_grad_hook(post)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for step in range(2):
+            gate.clear()
             tokens = RM.batch(step, 0, 0, 2)
             loss = RM.lm_loss(model(tokens), tokens)
             loss.backward()
+            release("end of backward")  # nothing was held (the synchronous path)
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        return {"losses": losses, "state": hs.full_state_dict(model), "in_flight": in_flight, "threads": sorted(threads)}
+        return {"losses": losses, "state": hs.full_state_dict(model), "in_flight": in_flight,
+                "threads": sorted(threads), "released_by": released_by}
     finally:
-        C.all_reduce = real
+        C.all_reduce, T.GradJob.wait = real_all_reduce, real_wait
 
 
 def test_gradient_reductions_run_while_backward_goes_on(pool):
-    sync = pool.run(run_with_slow_replicate, False, 0.05)
-    overlap = pool.run(run_with_slow_replicate, True, 0.05)
+    sync = pool.run(run_with_held_replicate, False)
+    overlap = pool.run(run_with_held_replicate, True)
     for a, b in zip(sync, overlap):
         assert a["losses"] == b["losses"]
         assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
-        # Synchronous: every reduction finished inside its own hook. Overlapped: later units'
-        # backward ran while earlier all-reduces (each 50 ms slower) were still in flight.
+        # Synchronous: every reduction finished inside its own hook. Overlapped: later units' backward
+        # ran while earlier all-reduces were still in flight (see [Note: held, not slowed]).
         assert max(a["in_flight"]) == 0, a["in_flight"]
         assert max(b["in_flight"]) >= 2, b["in_flight"]
+        assert b["released_by"] == ["hook", "hook"], b["released_by"]  # in both steps, before any wait
         assert a["threads"] == ["MainThread"] and b["threads"] == ["hybridshard-comm"], (a["threads"], b["threads"])
 
 

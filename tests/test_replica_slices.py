@@ -39,7 +39,7 @@ def _label(c: RM.Config) -> str:
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(WORLD, num_nodes=2, layout="block", timeout=180) as p:
+    with RankPool(WORLD, num_nodes=2, layout="block") as p:
         yield p
 
 
@@ -159,7 +159,7 @@ def test_checkpoints_to_and_from_other_strategies(pool, tmp_path):
 def test_cyclic_layout_parity():
     configs = RM.sweep(strategy=["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"], micro_steps=[2], clip=[1.0],
                        reduce_scatter_micro=[True], shard_optimizer=[True])
-    with RankPool(WORLD, num_nodes=2, layout="cyclic", timeout=120) as cyclic:
+    with RankPool(WORLD, num_nodes=2, layout="cyclic") as cyclic:
         per_rank = cyclic.run(RM.run_configs, configs)
     for i, cfg in enumerate(configs):
         RM.check_ranks(cfg, per_rank, i, WORLD)

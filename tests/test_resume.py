@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from hybridshard.launcher.local_cluster import free_port
+from tests.mp import held_store
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,23 +32,29 @@ SMALL = ["--steps", "6", "--dim", "32", "--heads", "2", "--layers", "2", "--seq-
 KILL = ["--kill-rank", "3", "--kill-at-step", "5"]
 
 
-def _rendezvous(node: int, port: int, restarts: int | None) -> list[str]:
-    if restarts is None:  # static: fixed node ranks
-        return ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    return ["--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", str(restarts)]
+def _rendezvous(port: int, restarts: int | None) -> list[str]:
+    """c10d at the test's own store (see ``held_store``): the agents find its port taken and connect
+    to it, so no probe-then-bind race; node ranks come from the rendezvous, which the results do not
+    depend on (groups follow the nodes the ranks report)."""
+    return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            *(["--max-restarts", str(restarts)] if restarts is not None else [])]
 
 
 def _run_cluster(tmp_path, name: str, extra: list[str], *, restarts: int | None = None, fails: bool = False,
                  timeout: float = 90):
     """Two agents (nodes) x 2 ranks; returns rank 0's JSON result, final state, and both agents' output."""
-    port = free_port()
+    with held_store() as store:
+        return _run_agents(tmp_path, name, extra, store.port, restarts=restarts, fails=fails, timeout=timeout)
+
+
+def _run_agents(tmp_path, name: str, extra: list[str], port: int, *, restarts: int | None, fails: bool, timeout: float):
     out_json, out_state = tmp_path / f"{name}.json", tmp_path / f"{name}.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "TORCH_DISABLE"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO, TORCH_CPP_LOG_LEVEL="ERROR")
     procs = []
     for node in range(2):
         argv = [sys.executable, "-m", "hybridshard", "launch", "--nnodes", "2", "--nproc-per-node", "2",
-                *_rendezvous(node, port, restarts), "--monitor-interval", "0.2", "--", EXAMPLE, *SMALL, *extra,
+                *_rendezvous(port, restarts), "--monitor-interval", "0.2", "--", EXAMPLE, *SMALL, *extra,
                 "--json-out", str(out_json), "--state-out", str(out_state)]
         procs.append(subprocess.Popen(argv, env={**env, "HYBRIDSHARD_NODE_NAME": f"node{node}"}, cwd=tmp_path,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiprocess
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(4, num_nodes=2, timeout=60) as p:
+    with RankPool(4, num_nodes=2) as p:
         yield p
 
 
@@ -270,7 +270,7 @@ def check_bad_input(case):
     ],
 )
 def test_bad_input(pool, case, expected):
-    for message in pool.run(check_bad_input, case, timeout=20):
+    for message in pool.run(check_bad_input, case, stall_s=20):
         assert expected in message, message
 
 
@@ -367,6 +367,6 @@ def check_nan_loss_on_one_rank(strategy):
 
 @pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "NO_SHARD"])
 def test_nan_loss_on_one_rank(pool, strategy):
-    for norm, nan_grads, raised in pool.run(check_nan_loss_on_one_rank, strategy, timeout=30):
+    for norm, nan_grads, raised in pool.run(check_nan_loss_on_one_rank, strategy, stall_s=30):
         assert norm != norm and nan_grads
         assert "total gradient norm is nan" in raised, raised

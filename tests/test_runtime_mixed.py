@@ -49,7 +49,7 @@ def _label(c: RM.Config) -> str:
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(WORLD, num_nodes=2, timeout=120) as p:
+    with RankPool(WORLD, num_nodes=2) as p:
         yield p
 
 
@@ -135,5 +135,5 @@ def check_plan_differs(case):
 )
 def test_unit_plan_differs_across_ranks(pool, case, expected):
     """A rank-dependent policy would issue different collectives and hang; ``shard`` names the unit."""
-    for message in pool.run(check_plan_differs, case, timeout=20):
+    for message in pool.run(check_plan_differs, case, stall_s=20):
         assert expected in message, message

@@ -33,7 +33,7 @@ EXTRA += RM.sweep(strategy=STRATEGIES, checkpoint=[True, "reentrant"], steps=[3]
 
 @pytest.fixture(scope="module")
 def sweep_results():
-    with RankPool(WORLD, num_nodes=2, layout="block", timeout=150) as pool:
+    with RankPool(WORLD, num_nodes=2, layout="block") as pool:
         per_rank = pool.run(RM.run_configs, SWEEP + EXTRA)
     return per_rank
 
@@ -60,7 +60,7 @@ def test_parity_and_counts(sweep_results, index):
 def test_cyclic_layout_hybrid_parity():
     """Ranks placed round-robin over nodes: the shard groups are {0,2} and {1,3}."""
     configs = RM.sweep(strategy=["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"], micro_steps=[1, 2])
-    with RankPool(WORLD, num_nodes=2, layout="cyclic", timeout=90) as pool:
+    with RankPool(WORLD, num_nodes=2, layout="cyclic") as pool:
         per_rank = pool.run(RM.run_configs, configs)
         plans = pool.run(_shard_group_of_rank)
     assert plans[0] == [0, 2] and plans[1] == [1, 3], plans

@@ -104,7 +104,7 @@ def run_cases() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def measured():
-    with RankPool(WORLD, num_nodes=2, layout="block", timeout=150) as pool:
+    with RankPool(WORLD, num_nodes=2, layout="block") as pool:
         return pool.run(run_cases), [node for node, _ in pool.placement]
 
 

@@ -166,7 +166,7 @@ def compression_round_trip_job(root: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("state-api"))
-    with RankPool(WORLD, num_nodes=2, layout="block", timeout=150) as pool:
+    with RankPool(WORLD, num_nodes=2, layout="block") as pool:
         return {"optim": pool.run(optimizer_state_job), "replicas": pool.run(replica_check_job),
                 "scaler": pool.run(scaler_round_trip_job, root), "int8": pool.run(compression_round_trip_job, root)}
 

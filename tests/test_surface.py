@@ -173,7 +173,7 @@ def test_unknown_keyword_is_a_type_error():
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(2, num_nodes=2, timeout=90) as p:
+    with RankPool(2, num_nodes=2) as p:
         yield p
 
 

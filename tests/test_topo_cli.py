@@ -177,7 +177,7 @@ def topo_on_rank(placement, argv):
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(4, num_nodes=2, layout="block", timeout=90) as p:
+    with RankPool(4, num_nodes=2, layout="block") as p:
         yield p
 
 

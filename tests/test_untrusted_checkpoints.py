@@ -247,7 +247,7 @@ def test_a_checkpoint_written_before_still_loads():
 def test_tampered_checkpoints_through_every_sharded_reader(tmp_path):
     """One pool: load_checkpoint on 2 nodes x 2 ranks, then the Hugging Face and Lightning resumes."""
     marker = str(tmp_path / "MARKER")
-    with RankPool(4, num_nodes=2, layout="block", timeout=240) as pool:
+    with RankPool(4, num_nodes=2, layout="block") as pool:
         loads = pool.run(U.load_tampered, str(tmp_path / "dcp"), marker)
         hf = pool.run(U.hf_resume_tampered, str(tmp_path / "hf"), marker)
         lit = pool.run(U.lightning_resume_tampered, str(tmp_path / "lightning"), marker)

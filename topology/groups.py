@@ -49,7 +49,7 @@ import logging
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,9 @@ import torch.distributed as dist
 from hybridshard.topology.cluster import gather_cluster
 from hybridshard.topology.planner import GroupPlan, plan_groups
 from hybridshard.topology.records import ClusterView, RankProbe
+
+if TYPE_CHECKING:
+    from hybridshard.topology.nvml import NvmlSource
 
 logger = logging.getLogger(__name__)
 
@@ -266,12 +269,17 @@ def local_device(probe: RankProbe) -> torch.device:
     return torch.device("cuda", probe.local_rank % torch.cuda.device_count())
 
 
-def init_groups(*, shard_size: int | None = None, domain: str = "node") -> ShardGroups:
+def init_groups(
+    *, shard_size: int | None = None, domain: str = "node", nvml: "NvmlSource | None" = None
+) -> ShardGroups:
     """Probe every rank, gather the cluster view, plan the groups and build them.
 
     Collective over the default process group: every rank must call it with the same arguments.
     Raises ``ValueError`` (on every rank alike, since every rank plans from the same view) when the
-    cluster cannot be tiled as asked.
+    cluster cannot be tiled as asked. ``nvml`` answers the GPU queries in place of the real NVML
+    (a :class:`~hybridshard.topology.nvml_recorded.FakeNvml` replaying a recorded machine); each rank
+    still takes its GPU from ``LOCAL_RANK`` and ``CUDA_VISIBLE_DEVICES`` as
+    :func:`~hybridshard.topology.probe.probe_rank` describes.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -280,7 +288,7 @@ def init_groups(*, shard_size: int | None = None, domain: str = "node") -> Shard
         )
     from hybridshard.topology.probe import probe_rank  # psutil and NVML only when discovering
 
-    probe = probe_rank(rank=dist.get_rank(), world_size=dist.get_world_size())
+    probe = probe_rank(rank=dist.get_rank(), world_size=dist.get_world_size(), nvml=nvml)
     device = local_device(probe)
     if device.type == "cuda":
         torch.cuda.set_device(device)
