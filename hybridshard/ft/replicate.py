@@ -15,9 +15,10 @@ order per communicator]). torchft's group is gloo, whose ``wait()`` blocks the h
 tensors, so the pending all-reduce is ``host_blocking``: the stream executor waits for it at the end
 of backward (``Fence.wait`` in :mod:`hybridshard.runtime.comm.executors.streams`), not inside the
 backward. The quorum ``Manager.allreduce`` waits for is awaited at the end of the forward
-(:meth:`ManagedReplicate.quorum_ready`), so inside backward that wait returns at once. That end-of-backward wait is one of fault-tolerant
-mode's two exempt host syncs. On the emulated device the all-reduce is queued on the all-reduce
-stream (``EmulatedStreams.defer_blocking``) and the shard stays the runtime's until it has run.
+(:meth:`ManagedReplicate.quorum_ready`), so inside backward that wait returns at once. That
+end-of-backward wait is one of fault-tolerant mode's two exempt host syncs. On the emulated device
+the all-reduce is queued on the all-reduce stream (``EmulatedStreams.defer_blocking``) and the
+shard stays the runtime's until it has run.
 """
 
 from __future__ import annotations
