@@ -181,7 +181,7 @@ def gather_on_rank(probes, ranks_per_block):
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(4, num_nodes=2, layout="cyclic", timeout=90) as p:
+    with RankPool(4, num_nodes=2, layout="cyclic") as p:
         yield p
 
 
@@ -190,8 +190,8 @@ def pool():
 def test_gather_summary_over_gloo(pool):
     flat = assemble_cluster(GLOO_PROBES)
     for per_block in (None, 1, 3):  # one block; every rank a leader; a node split and a short last block
-        views = pool.run(gather_on_rank, GLOO_PROBES, per_block, timeout=90)
+        views = pool.run(gather_on_rank, GLOO_PROBES, per_block)
         assert all(v == flat for v in views), (per_block, views)
     bad = [dataclasses.replace(p, world_size=5) if p.rank == 2 else p for p in GLOO_PROBES]
-    errors = pool.run(gather_on_rank, bad, 3, timeout=90)
+    errors = pool.run(gather_on_rank, bad, 3)
     assert all(isinstance(e, ValueError) for e in errors) and len({str(e) for e in errors}) == 1, errors
