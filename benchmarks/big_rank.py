@@ -49,16 +49,20 @@ WORLD, SHARD = 64, 8
 
 @dataclass(frozen=True)
 class Shape:
-    hidden: int = 4096
-    layers: int = 32
-    heads: int = 32
-    kv_heads: int = 8
-    ffn: int = 14336
-    vocab: int = 128256
-    seq: int = 1024
-    batch: int = 1
+    """A Llama decoder stack and its batch: sizes of the hidden state, layers, heads (query and key/value),
+    the MLP, the vocabulary, and the sequence and batch of one step."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    batch: int
 
 
+LLAMA_3_8B = Shape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=1024, batch=1)
 STAND_IN = Shape(hidden=64, layers=2, heads=4, kv_heads=2, ffn=176, vocab=512, seq=32, batch=2)
 
 
@@ -235,7 +239,7 @@ def main() -> int:
 
     from hybridshard.runtime.faults import peers
 
-    s = STAND_IN if args.stand_in else Shape()
+    s = STAND_IN if args.stand_in else LLAMA_3_8B
     device = torch.device("cpu") if args.stand_in else torch.device("cuda", 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)

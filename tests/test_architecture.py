@@ -68,39 +68,49 @@ RUNTIME_LAYERS = [
     "hybridshard.runtime.setup",
 ]
 
-# Imports of the package inside a function, each with its reason; any other is a module-level import.
+# Imports of the package inside a function, by reason: "importer: imported ..." (names under `hybridshard.`,
+# `hybridshard` for the package itself); any other import is at module level.
 _CLI = "start-up time of the CLI: `hybridshard <command>` (and --help) imports only what that command runs"
 _PROBE = "optional dependency: probing imports psutil and NVML, needed only when discovering a node"
-FUNCTION_IMPORTS = {
-    ("hybridshard.cli.bench", "hybridshard.bench.job"): _CLI,
-    ("hybridshard.cli.bench", "hybridshard.bench.report"): _CLI,
-    ("hybridshard.cli.bench", "hybridshard.bench.worker"): _CLI,
-    ("hybridshard.cli.ckpt", "hybridshard.state.checkpoint"): _CLI + " (torch and DCP for `ckpt` only)",
-    ("hybridshard.cli.ckpt", "hybridshard.state.reader"): _CLI + " (torch and DCP for `ckpt` only)",
-    ("hybridshard.cli.launch", "hybridshard.topology.smi"): _CLI,
-    ("hybridshard.cli.launch", "hybridshard.topology.probe"): _PROBE,
-    ("hybridshard.cli.launch", "hybridshard.launcher.placement"): _CLI,
-    ("hybridshard.cli.plan", "hybridshard.topology.smi"): _CLI,
-    ("hybridshard.cli.topo", "hybridshard.topology.smi"): _CLI,
-    ("hybridshard.cli.topo", "hybridshard.diagnostics.bandwidth"): _CLI + " (torch for --measure only)",
-    ("hybridshard.cli.topo", "hybridshard.topology.groups"): _CLI + " (torch.distributed for --cluster only)",
-    ("hybridshard.cli.topo", "hybridshard.topology.report"): _CLI,
-    ("hybridshard.cli.topo", "hybridshard.topology.findings"): _CLI,
-    ("hybridshard.cli.topo", "hybridshard.topology.cluster"): _CLI,
-    ("hybridshard.cli.topo", "hybridshard.topology.planner"): _CLI,
-    ("hybridshard.cli.topo", "hybridshard.topology.probe"): _PROBE,
-    ("hybridshard.bench.config", "hybridshard"): _CLI + " (`hybridshard bench` reads its config without the runtime)",
-    ("hybridshard.bench.config", "hybridshard.options"): _CLI + " (`hybridshard bench` reads its config without the runtime)",
-    ("hybridshard.topology.cluster", "hybridshard.topology.summary"): "summary assembles the view with cluster's "
-    "assemble_cluster: a module-level import each way would be a cycle",
-    ("hybridshard.diagnostics.bandwidth", "hybridshard.topology.probe"): _PROBE,
-    ("hybridshard.topology.cluster", "hybridshard.topology.probe"): _PROBE,
-    ("hybridshard.topology.groups", "hybridshard.topology.probe"): _PROBE,
-    ("hybridshard.topology.synthetic", "hybridshard.topology.smi"): "smi imports probe (psutil, NVML); " + _PROBE,
-    ("hybridshard.topology.nvml", "hybridshard.topology.nvml_recorded"): "nvml_recorded imports nvml: resolved on first use",
-    ("hybridshard.topology.nvml", "hybridshard.topology.nvml"): "run as a script (`main`), it imports itself as a module",
-    ("hybridshard.launcher.local_cluster", "hybridshard"): "only the package's folder, for the child processes' path",
+_BY_REASON = {
+    _CLI: """
+        cli.bench: bench.job bench.report bench.worker
+        cli.launch: topology.smi launcher.placement
+        cli.plan: topology.smi
+        cli.topo: topology.smi topology.report topology.findings topology.cluster topology.planner
+        """,
+    _CLI + " (torch and DCP for `ckpt` only)": "cli.ckpt: state.checkpoint state.reader",
+    _PROBE: """
+        cli.launch: topology.probe
+        cli.topo: topology.probe
+        diagnostics.bandwidth: topology.probe
+        topology.cluster: topology.probe
+        topology.groups: topology.probe
+        """,
+    _CLI + " (torch for --measure only)": "cli.topo: diagnostics.bandwidth",
+    _CLI + " (torch.distributed for --cluster only)": "cli.topo: topology.groups",
+    _CLI + " (`hybridshard bench` reads its config without the runtime)": "bench.config: hybridshard options",
+    "summary assembles the view with cluster's assemble_cluster: a module-level import each way would be a cycle":
+        "topology.cluster: topology.summary",
+    "smi imports probe (psutil, NVML); " + _PROBE: "topology.synthetic: topology.smi",
+    "nvml_recorded imports nvml: resolved on first use": "topology.nvml: topology.nvml_recorded",
+    "run as a script (`main`), it imports itself as a module": "topology.nvml: topology.nvml",
+    "only the package's folder, for the child processes' path": "launcher.local_cluster: hybridshard",
 }
+
+
+def _function_imports(by_reason: dict[str, str]) -> dict[tuple[str, str], str]:
+    """``{(importer, imported): reason}`` from :data:`_BY_REASON`'s rows."""
+    full = lambda n: n if n == "hybridshard" else f"hybridshard.{n}"  # noqa: E731
+    out = {}
+    for reason, rows in by_reason.items():
+        for row in rows.strip().splitlines():
+            importer, imported = row.split(":")
+            out.update({(full(importer.strip()), full(t)): reason for t in imported.split()})
+    return out
+
+
+FUNCTION_IMPORTS = _function_imports(_BY_REASON)
 
 
 def _imports(module: str, path: pathlib.Path) -> list[tuple[str, ast.stmt, str]]:

@@ -82,18 +82,24 @@ def entries() -> tuple[Entry, ...]:
 
 @dataclass(frozen=True)
 class Blocked:
-    """Where the main thread is, as the watchdog saw it (see [Note: blocked in a collective])."""
+    """Where the main thread is, as the watchdog saw it (see [Note: blocked in a collective]).
 
-    blocked: bool
+    ``call`` names the collective it is blocked in (``barrier``, ``all_gather on the shard group``), ``""``
+    while it runs; ``at`` is the ``file:line (function)`` of the innermost frame outside torch and this
+    package (the user's call), ``inner`` that of the innermost Python frame; ``entries`` are the package's
+    entry points it is inside, outermost first; ``since`` is the ``time.time()`` at which it entered this
+    frame and line (its blocked episode began).
+    """
+
     call: str
-    """The collective it is blocked in (``barrier``, ``all_gather on the shard group``), or ``""``."""
     at: str
-    """``file:line (function)`` of the innermost frame outside torch and this package: the user's call."""
     inner: str
-    """``file:line (function)`` of the innermost Python frame."""
     entries: tuple[Entry, ...]
     since: float
-    """``time.time()`` when the main thread entered this frame and line (its blocked episode began)."""
+
+    @property
+    def blocked(self) -> bool:
+        return bool(self.call)
 
     def describe(self) -> str:
         inside = f"inside {self.entries[0].describe()}, " if self.entries else "in no entry point of the package, "
@@ -127,8 +133,8 @@ def _is_ours_or_torch(frame: FrameType) -> bool:
     return path.startswith(_PACKAGE) or _TORCH in path or "contextlib" in path
 
 
-def _classify(frame: FrameType, pending: list[Any]) -> tuple[bool, str, str]:
-    """``(blocked, call, at)`` for the main thread's innermost ``frame``."""
+def _classify(frame: FrameType, pending: list[Any]) -> tuple[str, str]:
+    """``(call, at)`` for the main thread's innermost ``frame``; ``call`` is ``""`` when it is not blocked."""
     at = frame
     while at.f_back is not None and _is_ours_or_torch(at):
         at = at.f_back
@@ -138,11 +144,11 @@ def _classify(frame: FrameType, pending: list[Any]) -> tuple[bool, str, str]:
             if f.f_code.co_name != "wrapper":
                 call = f.f_code.co_name
             f = f.f_back
-        return True, call, _where(at)
+        return call, _where(at)
     if frame.f_code.co_filename.startswith(_PACKAGE) and pending:
         first = pending[0]
-        return True, f"{first.kind} on the {first.group} group", _where(at)
-    return False, "", _where(at)
+        return f"{first.kind} on the {first.group} group", _where(at)
+    return "", _where(at)
 
 
 class MainThreadWatch:
@@ -158,10 +164,10 @@ class MainThreadWatch:
         frame = sys._current_frames().get(_MAIN.ident)  # noqa: SLF001 - the documented way to see another thread
         if frame is None:
             return None
-        blocked, call, at = _classify(frame, pending)
+        call, at = _classify(frame, pending)
         stack = entries()
-        key = (id(frame), frame.f_code, frame.f_lineno, blocked, stack)
+        key = (id(frame), frame.f_code, frame.f_lineno, bool(call), stack)
         if key != self._key:
             self._key, self._since = key, time.time()
-        return Blocked(blocked, call, at, _where(frame), stack, self._since)
+        return Blocked(call, at, _where(frame), stack, self._since)
 
