@@ -28,7 +28,8 @@ blocked in a collective, a store wait or a ``sleep`` uses no CPU on its main thr
 frame, so it stops ticking; a rank that computes, however slowly, moves. The run fails once no rank ticked (and no result arrived) for
 ``stall_s`` seconds; after a rank failed, the others get ``AFTER_FAILURE_S`` without progress to
 finish before the pool restarts. A hang that spins (a Python loop polling forever) keeps ticking:
-``max_s``, a ceiling far above any healthy run, catches that. The sampler starts before the rank
+``max_s``, a ceiling far above any healthy run, catches that (pytest-timeout's per-test limit, 300 s
+unless a test's mark says more, may come first). The sampler starts before the rank
 imports torch (this module imports it lazily), so a slow start-up counts as progress too.
 """
 
@@ -271,7 +272,8 @@ def run_rank_processes(
 
 @contextlib.contextmanager
 def held_store(host: str = "127.0.0.1") -> Iterator[Any]:
-    """A TCP store this process hosts until the block ends, on a port the kernel chose as it bound it.
+    """A TCP store this process hosts, on a port the kernel chose as it bound it; it lives as long as
+    the caller holds it (``with held_store() as store:`` keeps it until the function returns).
 
     Hand its port to the processes of a job (``MASTER_PORT``, or ``--rdzv-endpoint HOST:PORT`` of a
     c10d rendezvous, whose agents then find the port taken and connect as clients): a port probed

@@ -206,6 +206,20 @@ def test_runtime_hook_clock_charges_nested_entries_once_and_the_bench_reads_it()
     assert clock.calls["a"] == 1 and hook_clock.observe(None) is None
 
 
+def test_a_second_hook_clock_is_refused_and_the_first_keeps_observing():
+    from hybridshard.bench import hook_time
+    from hybridshard.runtime.trace import hook_clock
+
+    first = hook_time.HookClock().install(["hybridshard"])
+    try:
+        with pytest.raises(RuntimeError, match="^expected no other HookClock observing"):
+            hook_time.HookClock().install(["hybridshard"])
+        assert hook_clock.observe(first) is first  # still the observer after the refusal
+    finally:
+        first.uninstall()
+    assert hook_clock.observe(None) is None
+
+
 def test_live_bytes_count_storage_resizes():
     import torch
 

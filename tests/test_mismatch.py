@@ -55,7 +55,9 @@ def test_entry_point_called_on_one_rank_stops_every_rank_naming_it():
             assert re.match(r"full_state_dict must be called on every rank, but only rank 0 entered it \(call #1\)"
                             r", while ranks 1, 2, 3 are blocked in barrier at \S*mismatch_job\.py:\d+ \(main\), "
                             r"every rank for over 2s \(HYBRIDSHARD_MISMATCH_SECONDS\)", first[0]), first[0]
-            assert "rank 0: inside full_state_dict (call #1 on this rank), blocked in all_gather" in r["text"]
+            # rank 0's line names the user's call (mismatch_job.py), not a frame of the package or torch
+            assert re.search(r"rank 0: inside full_state_dict \(call #1 on this rank\), blocked in all_gather on the "
+                             r"shard group at \S*mismatch_job\.py:\d+ \(main\) \(waiting at hybridshard/", r["text"]), r["text"][-3000:]
             for other in (1, 2, 3):
                 assert re.search(rf"rank {other}: in no entry point of the package, blocked in barrier at "
                                  r"\S*mismatch_job\.py:\d+ \(main\)", r["text"]), r["text"][-3000:]
@@ -147,6 +149,16 @@ def test_mismatch_message_names_both_calls():
     assert first.startswith("full_state_dict must be called on every rank, but only rank 0 entered it ("
                             "call #3), while rank 1 is blocked in save_checkpoint (call #3), "
                             "all_gather_object at train.py:20 (main), every rank for over 30s"), first
+
+
+def test_mismatch_message_for_one_call_more_on_one_rank():
+    from hybridshard.runtime.faults.mismatch import describe
+
+    records = _now({0: _record([["save_checkpoint", 4]]), 1: _record([["save_checkpoint", 3]]),
+                    2: _record([["save_checkpoint", 3]])})
+    first = describe(0, [records[r] for r in range(3)], 30.0).splitlines()[0]
+    assert first.startswith("save_checkpoint must be called the same number of times on every rank, but ranks 1, 2 "
+                            "are in call #3; rank 0 is in call #4, every rank blocked for over 30s"), first
 
 
 def test_every_public_collective_call_is_an_announced_entry_point():

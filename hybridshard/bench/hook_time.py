@@ -1,16 +1,14 @@
 """Wall time in each system's hooks, measured the same way for hybridshard, FSDP1 and FSDP2.
 
 [Note: timing other systems' hooks]
-A comparison needs one measure for every system. hybridshard times its own hooks
-(:mod:`hybridshard.runtime.trace.hook_clock`; see [Note: one hook clock] there): :class:`HookClock`
-observes that clock rather than timing them again. For FSDP1 and FSDP2 it wraps the hook entry
-points (:data:`ENTRY_POINTS`) and measures them alike: the wall time of every *outermost* entry (an
-entry point that calls another counts once) and the thread's CPU time in it (``time.thread_time``:
-the hooks' own work, without the time blocked on a collective, a lock or another process; 4 ranks
-on 2 cores are often descheduled), added to the totals of :attr:`HookClock.label`, the contestant
-whose step runs. hybridshard's communication thread adds its jobs' CPU time to the same CPU total
-(not to the wall time, which would count its waits); FSDP1 and FSDP2 run no thread of their own.
-Wall time includes waits for collectives inside the hooks, as ``comm_stats``'s does.
+A comparison needs one measure for every system: the one hybridshard's own clock takes (see
+[Note: one hook clock] in :mod:`hybridshard.runtime.trace.hook_clock`), which :class:`HookClock`
+observes rather than timing hybridshard's hooks again. For FSDP1 and FSDP2 it wraps their hook entry points
+(:data:`ENTRY_POINTS`) and takes the same measure, added to the totals of :attr:`HookClock.label`,
+the contestant whose step runs. Wall time includes waits for collectives inside the hooks, as
+``comm_stats``'s does; CPU time (``time.thread_time``) leaves out time blocked or descheduled, which
+4 ranks on 2 cores often are. FSDP1 and FSDP2 run no thread of their own, so nothing stands for
+hybridshard's communication-thread CPU time there.
 
 Hooks are bound when a model is wrapped, so :meth:`HookClock.install` must run before the models are
 built; :meth:`uninstall` puts the originals back. ``on_enter``/``on_exit`` run at each outermost entry
@@ -120,8 +118,11 @@ class HookClock:
         """Observe hybridshard's clock and wrap the other ``systems``' entry points; before building models."""
         for system in systems:
             if system == OBSERVED:
-                if hook_clock.observe(self) not in (None, self):
-                    raise RuntimeError("another HookClock observes hybridshard's hooks; uninstall it first")
+                previous = hook_clock.observe(self)
+                if previous not in (None, self):
+                    hook_clock.observe(previous)  # the clock that was there keeps observing
+                    raise RuntimeError("expected no other HookClock observing hybridshard's hooks, found one; "
+                                       "uninstall it first")
                 self._observing = True
                 continue
             if system not in ENTRY_POINTS:

@@ -161,9 +161,18 @@ def describe(me: int, records: list[dict[str, Any]], limit: float) -> str:
             elsewhere.setdefault(_short_call(records[r]), []).append(r)
     others = "; ".join(f"{_ranks(rs)} {'is' if len(rs) == 1 else 'are'} blocked in {where}"
                        for where, rs in elsewhere.items())
-    first = (f"{call[0]} must be called on every rank, but only {_ranks(inside)} entered it (call "
-             f"#{call[1]}), while {others}, every rank for over {limit:.0f}s (HYBRIDSHARD_MISMATCH_SECONDS): call "
-             f"{call[0]} on every rank (not under `if rank == 0:`), in the same order as the other collectives.")
+    if all(i is not None and i[0] == call[0] for i in idents):  # every rank in it, some one call further
+        by_call: dict[int, list[int]] = {}
+        for r, i in enumerate(idents):
+            by_call.setdefault(i[1], []).append(r)  # type: ignore[index]
+        at = "; ".join(f"{_ranks(rs)} {'is' if len(rs) == 1 else 'are'} in call #{n}" for n, rs in sorted(by_call.items()))
+        first = (f"{call[0]} must be called the same number of times on every rank, but {at}, every rank blocked "
+                 f"for over {limit:.0f}s (HYBRIDSHARD_MISMATCH_SECONDS): call {call[0]} as often on every rank "
+                 "(not once more under `if rank == 0:`), in the same order as the other collectives.")
+    else:
+        first = (f"{call[0]} must be called on every rank, but only {_ranks(inside)} entered it (call "
+                 f"#{call[1]}), while {others}, every rank for over {limit:.0f}s (HYBRIDSHARD_MISMATCH_SECONDS): call "
+                 f"{call[0]} on every rank (not under `if rank == 0:`), in the same order as the other collectives.")
     now = time.time()
     rows = "\n".join(f"  rank {r}: {rec['text']}, for {now - rec['since']:.0f}s" for r, rec in enumerate(records))
     return (f"{first}\nwhere every rank is:\n{rows}\nEvery rank stops now (rank {me} too) rather than at the process "

@@ -38,7 +38,7 @@ __all__ = ["Blocked", "Entry", "MainThreadWatch", "enter", "entries", "leave"]
 _MAIN = threading.main_thread()
 _TORCH_DISTRIBUTED = os.path.join("torch", "distributed") + os.sep
 _C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # hybridshard/
 _TORCH = os.sep + "torch" + os.sep
 
 
@@ -156,6 +156,7 @@ class MainThreadWatch:
 
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
+        self._frame: FrameType | None = None
         self._since = time.time()
 
     def observe(self, pending: list[Any]) -> Blocked | None:
@@ -166,8 +167,12 @@ class MainThreadWatch:
             return None
         call, at = _classify(frame, pending)
         stack = entries()
-        key = (id(frame), frame.f_code, frame.f_lineno, bool(call), stack)
-        if key != self._key:
+        key = (frame.f_code, frame.f_lineno, bool(call), stack)
+        if key != self._key or frame is not self._frame:
             self._key, self._since = key, time.time()
+        # Held while blocked, so that a later call at the same line gets a new frame object, not this
+        # one's address again (an ``id`` would match it); dropped while the thread runs. A returned
+        # frame keeps its locals until the next poll: a collective's arguments, one poll longer.
+        self._frame = frame if call else None
         return Blocked(call, at, _where(frame), stack, self._since)
 
