@@ -6,7 +6,7 @@ Trains the runtime tests' model for one step, then, as the scenario says:
 - ``late``: ``ROUNDS`` times, rank 3 sleeps ``LATE_SECONDS`` outside any collective before
   ``hs.full_state_dict`` and again before a barrier, which every rank calls; then every rank trains
   one more step: nothing may be reported;
-- ``host_raises``: rank 0 hosts the job's store (``MASTER_PORT``, no agent store) and raises at step 1
+- ``host_raises``: rank 0 hosts the job's store (``JOB_STORE_ON_RANK0=1``, no agent store) and raises at step 1
   before its forward, so its exit takes the store down while the others wait in the forward.
 
 Every rank prints ``RESULT {json}`` when it ends on its own (finished, or an error raised); a rank
@@ -32,7 +32,22 @@ from tests import runtime_models as RM  # noqa: E402
 
 def main() -> None:
     scenario = sys.argv[1]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("JOB_PG_TIMEOUT", "60"))))
+    timeout = timedelta(seconds=float(os.environ.get("JOB_PG_TIMEOUT", "60")))
+    if os.environ.get("JOB_STORE_ON_RANK0") == "1":
+        # Rank 0 hosts the job's store (no agent store), on a port the kernel picks as it binds it; the
+        # others learn the port through the test's store at MASTER_PORT, so no port is probed and re-bound.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        side = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timeout)
+        if rank == 0:
+            store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+            side.set("job_store_port", str(store.port))
+        else:
+            store = dist.TCPStore("127.0.0.1", int(side.get("job_store_port")), is_master=False, timeout=timeout)
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # the store lives in rank 0's process
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank()
     torch.set_num_threads(1)
     model = RM.make_model(num_blocks=2)

@@ -20,7 +20,6 @@ import time
 
 import pytest
 
-from hybridshard.launcher.local_cluster import free_port
 from tests.mp import run_rank_processes
 
 pytestmark = pytest.mark.multiprocess
@@ -78,8 +77,7 @@ def test_late_rank_outside_collectives_is_never_reported():
 def test_first_failing_rank_that_hosts_the_store_is_still_named():
     # Rank 0 hosts the store (no agent store) and raises at step 1: its exit takes the store down.
     for _ in range(REPEATS):
-        env = {"MASTER_PORT": str(free_port()), "TORCHELASTIC_USE_AGENT_STORE": "False"}
-        ranks = _run("host_raises", env=env)
+        ranks = _run("host_raises", env={"JOB_STORE_ON_RANK0": "1"})
         assert ranks[0]["result"]["type"] == "ValueError" and ranks[0]["code"] == 1, ranks[0]["text"][-3000:]
         for rank in (1, 2, 3):
             r = ranks[rank]["result"]
