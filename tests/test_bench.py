@@ -254,3 +254,31 @@ def test_compile_flag_adds_compiled_variants_and_the_compile_table():
     text = render_text(results)
     row = next(line for line in text.splitlines() if line.startswith("hybridshard:compile=true") and "9.0" in line)
     assert row.split()[1:] == ["9.0", "1", "0", "0", "30.0", "0.60", "0.75"]  # /eager 30/50, /fsdp2 30/40
+
+
+@pytest.mark.timeout(300)
+def test_compile_counts_compile_every_contestant_cold():
+    """``--compile``: a contestant compiling what another compiled before finds no cache entry of the other's
+    (nor of an earlier run's), and the hits and misses are counted per contestant."""
+    import torch
+
+    from hybridshard.bench.compiled import CompileCounts
+
+    counts = CompileCounts()
+    w = torch.randn(4, 4, requires_grad=True)
+    try:
+        for name in ("first", "second"):
+            torch._dynamo.reset()  # the same code compiled again, as by another contestant's frame
+            fn = torch.compile(lambda x: torch.tanh(x @ w).sum(), backend="inductor")
+            with counts.cold(name), counts.step(name):
+                fn(torch.randn(2, 4)).backward()
+        root = counts._root
+    finally:
+        counts.close()
+        torch._dynamo.reset()
+    assert root is not None and not os.path.exists(root)
+    for name in ("first", "second"):
+        c = counts.facts(name)
+        assert c["frames_first_step"] == 1, c
+        # cold: FX graph and AOTAutograd caches looked up and missed, never hit
+        assert c["fx_hits"] == 0 and c["fx_misses"] >= 1 and c["aot_hits"] == 0 and c["aot_misses"] >= 1, (name, c)
