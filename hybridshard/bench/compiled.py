@@ -10,17 +10,24 @@ time (barriers around it, as a timed step) is reported as the compile time, apar
 step, which the warm-up steps keep out of.
 
 [Note: cold compiles]
-Inductor keeps what it compiled in caches that outlive a compile: on disk (the FX graph cache and
-AOTAutograd's cache under ``TORCHINDUCTOR_CACHE_DIR``, shared by every process of the user and kept
-between runs) and in memory (loaded kernels by source hash). Contestants compile blocks of the same
-code, so whoever compiles second would find the first one's graphs there, and every contestant
-would find the last run's. :meth:`CompileCounts.cold` runs each contestant's warm-up steps, the
-compile among them, in ``torch._inductor.utils.fresh_cache``: an empty cache directory of its own
-(per rank: ranks do not share either) with the in-memory caches cleared on the way in, so each
-contestant compiles from nothing. The hits are counted (``counters["inductor"]["fxgraph_cache_hit"]``,
-``counters["aot_autograd"]["autograd_cache_hit"]``) and reported, so a reuse would show. What a
-process pays once whoever compiles first (inductor's imports, the C++ compiler probe, the compile
-worker pool) :func:`warm_inductor` pays before any contestant, on an unrelated function.
+Each contestant's first step compiles from nothing, as a user's first run would. Three things
+outlive a compile and would carry one contestant's compile over to the next (contestants compile
+blocks of the same code), or one run's over to the next:
+
+- dynamo's cache of compiled frames, kept on the code object (``Block.forward``'s): its guards do
+  not tell one system's block from another's, and FSDP2's blocks ran hybridshard's compiled frame,
+  compiling no graph of their own. :func:`private_forward` gives each compiled contestant's blocks a
+  copy of the class's forward code (the same code, a code object of its own);
+- inductor's on-disk caches (FX graph and AOTAutograd, under ``TORCHINDUCTOR_CACHE_DIR``, shared by
+  the user's processes and kept between runs) and its in-memory ones (loaded kernels by source):
+  :meth:`CompileCounts.cold` runs each contestant's warm-up steps in
+  ``torch._inductor.utils.fresh_cache``, an empty directory of its own per rank, the in-memory
+  caches cleared on the way in;
+- what a process pays once, whoever compiles first (inductor's imports, the C++ compiler probe,
+  the compile worker pool): :func:`warm_inductor` pays it on an unrelated function before any
+  contestant.
+
+Graphs captured and cache hits and misses are counted per contestant and reported, so a reuse shows.
 """
 
 from __future__ import annotations
@@ -28,13 +35,15 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
+import types
 from collections import defaultdict
 from typing import Iterator
 
-__all__ = ["CompileCounts", "warm_inductor", "CACHE_COUNTERS"]
+__all__ = ["CompileCounts", "warm_inductor", "private_forward", "CACHE_COUNTERS"]
 
-# (counters group, key) of each cache lookup counted per contestant, under the name the report shows.
-CACHE_COUNTERS = {"fx_hits": ("inductor", "fxgraph_cache_hit"), "fx_misses": ("inductor", "fxgraph_cache_miss"),
+# (counters group, key) of each count kept per contestant (graphs captured, cache lookups), by the report's name.
+CACHE_COUNTERS = {"graphs": ("stats", "unique_graphs"),
+                  "fx_hits": ("inductor", "fxgraph_cache_hit"), "fx_misses": ("inductor", "fxgraph_cache_miss"),
                   "aot_hits": ("aot_autograd", "autograd_cache_hit"), "aot_misses": ("aot_autograd", "autograd_cache_miss")}
 
 
@@ -57,6 +66,20 @@ def warm_inductor() -> None:
             x, w = torch.randn(3, 5), torch.randn(5, 7, requires_grad=True)
             fn(x, w).backward()
     torch._dynamo.reset()
+
+
+def private_forward(model, cls: type) -> int:
+    """Give ``model``'s modules of class ``cls`` one copy of ``cls.forward`` of their own; how many.
+
+    The same code in a new code object, so dynamo compiles it apart from any other copy; see [Note: cold compiles].
+    """
+    fn = cls.forward
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    modules = [m for m in model.modules() if isinstance(m, cls)]
+    for m in modules:
+        m.forward = types.MethodType(copy, m)
+    return len(modules)
 
 
 class CompileCounts:

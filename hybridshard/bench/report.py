@@ -50,12 +50,14 @@ def _compile_table(results: dict[str, Any]) -> list[str]:
         )
     lines.append("/eager: median step over the same hybridshard variant's eager median; /fsdp2: over FSDP2 + "
                  "compile's (FSDP2 compiles each block after fully_shard).")
-    lookups = ", ".join(f"{name} {c.get('fx_hits', 0)}/{c.get('fx_misses', 0)} and {c.get('aot_hits', 0)}/"
-                        f"{c.get('aot_misses', 0)}" for name, c in ((n, e["compile"]) for n, e in results["systems"].items())
-                        if c["frames_first_step"] or c["recompiles"])
-    lines.append("caches: each contestant compiled cold, in an empty inductor cache directory of its own per rank "
-                 "(FX graph and AOTAutograd caches), in-memory caches cleared, after an unrelated warm-up compile "
-                 f"paid the process's one-time costs; rank 0's cache hits/misses, FX graph and AOTAutograd: {lookups or 'none'}.")
+    counted = ", ".join(
+        f"{name} {c.get('graphs', 0)}, {c.get('fx_hits', 0)}/{c.get('fx_misses', 0)} and "
+        f"{c.get('aot_hits', 0)}/{c.get('aot_misses', 0)}"
+        for name, c in ((n, e["compile"]) for n, e in results["systems"].items()) if c["frames_first_step"] or c["recompiles"])
+    lines.append("caches: each contestant compiled cold: its blocks' forward code its own (dynamo's frame cache), an "
+                 "empty inductor cache directory of its own per rank (FX graph and AOTAutograd caches), in-memory caches "
+                 "cleared, the process's one-time costs paid before by an unrelated compile; rank 0's graphs captured, "
+                 f"cache hits/misses FX graph and AOTAutograd: {counted or 'none'}.")
     return lines
 
 
