@@ -57,14 +57,26 @@ def _rank(rank: int, store: str, args: argparse.Namespace) -> None:
         for name in trainers:
             step(name)
     times: dict[str, list[float]] = {n: [] for n in trainers}
+
+    def hook_seconds(name: str) -> tuple[float, float]:
+        seen = hs.comm_stats(trainers[name].model)
+        return sum(seen["hook_seconds"].values()), sum(seen["gather_wait_seconds"].values())
+
+    before = {n: hook_seconds(n) for n in trainers}
     for k in range(args.steps):
         for name in (list(trainers) if k % 2 else list(trainers)[::-1]):
             times[name].append(step(name))
+    hooks = {n: [(a - b) * 1e3 / args.steps for a, b in zip(hook_seconds(n), before[n])] for n in trainers}
+    everyone: list = [None] * WORLD
+    dist.all_gather_object(everyone, hooks)
     if rank == 0:
         med = {n: sorted(v)[len(v) // 2] for n, v in times.items()}
         print(f"d_model {cfg.d_model}, {cfg.layers} blocks, seq {cfg.seq}, global batch {cfg.batch}, 2 ranks, "
               f"backend {args.backend}: median step eager {med['eager']:.1f} ms, compiled {med['compiled']:.1f} ms "
               f"({med['compiled'] / med['eager']:.2f}x), {args.steps} alternating steps each", flush=True)
+        for n in trainers:
+            print(f"  {n}: mean ms per step in the runtime's hooks by rank "
+                  f"{[round(h[n][0], 1) for h in everyone]}, of it waiting for gathers {[round(h[n][1], 1) for h in everyone]}")
     from torch.profiler import ProfilerActivity, profile
 
     for name in trainers:

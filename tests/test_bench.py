@@ -292,3 +292,4 @@ def test_compile_counts_compile_every_contestant_cold():
         assert c["frames_first_step"] == 1 and c["graphs"] == 1, (name, c)
         # cold: FX graph and AOTAutograd caches looked up and missed, never hit
         assert c["fx_hits"] == 0 and c["fx_misses"] >= 1 and c["aot_hits"] == 0 and c["aot_misses"] >= 1, (name, c)
+        assert c["frame_compile_s"] > 0 and c["backward_compile_s"] > 0, (name, c)  # torch's own clocks, per contestant

@@ -47,15 +47,22 @@ CACHE_COUNTERS = {"graphs": ("stats", "unique_graphs"),
                   "aot_hits": ("aot_autograd", "autograd_cache_hit"), "aot_misses": ("aot_autograd", "autograd_cache_miss")}
 
 
-def _now() -> tuple[int, ...]:
-    from torch._dynamo.utils import counters
+# Seconds torch spent compiling, by its own phase clocks (``dynamo_timed``): a frame's compile (dynamo and
+# the forward's backend compile) and the backward's compile, which AOTAutograd runs at the first backward.
+COMPILE_PHASES = {"frame_compile_s": "entire_frame_compile", "backward_compile_s": "entire_backward_compile"}
+
+
+def _now() -> tuple[float, ...]:
+    from torch._dynamo.utils import counters, cumulative_time_spent_ns
 
     return (counters["frames"]["ok"], sum(counters["graph_break"].values()),
-            *(counters[group][key] for group, key in CACHE_COUNTERS.values()))
+            *(counters[group][key] for group, key in CACHE_COUNTERS.values()),
+            *(cumulative_time_spent_ns.get(phase, 0) / 1e9 for phase in COMPILE_PHASES.values()))
 
 
-def warm_inductor() -> None:
-    """Compile (forward and backward) an unrelated function, so no contestant pays the process's first-compile costs."""
+def warm_inductor(device=None) -> None:
+    """Compile (forward and backward, on ``device``) an unrelated function, so no contestant pays the process's
+    first-compile costs."""
     import torch
 
     with tempfile.TemporaryDirectory(prefix="hybridshard-warm-inductor-") as root:
@@ -63,7 +70,7 @@ def warm_inductor() -> None:
 
         with fresh_cache(dir=root):
             fn = torch.compile(lambda x, w: torch.tanh(x @ w).sum())
-            x, w = torch.randn(3, 5), torch.randn(5, 7, requires_grad=True)
+            x, w = torch.randn(3, 5, device=device), torch.randn(5, 7, device=device, requires_grad=True)
             fn(x, w).backward()
     torch._dynamo.reset()
 
@@ -83,13 +90,13 @@ def private_forward(model, cls: type) -> int:
 
 
 class CompileCounts:
-    """Per contestant: frames compiled in the first step and after it, graph breaks and cache lookups."""
+    """Per contestant: frames compiled in the first step and after it, graph breaks, cache lookups, compile seconds."""
 
     def __init__(self) -> None:
         self.first_frames: dict[str, int] = defaultdict(int)
         self.later_frames: dict[str, int] = defaultdict(int)
         self.breaks: dict[str, int] = defaultdict(int)
-        self.cache: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(CACHE_COUNTERS, 0))
+        self.cache: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys([*CACHE_COUNTERS, *COMPILE_PHASES], 0))
         self.first_step_ms: dict[str, float] = {}
         self._steps: dict[str, int] = defaultdict(int)
         self._root: str | None = None
@@ -118,11 +125,11 @@ class CompileCounts:
             yield
         finally:
             after = _now()
-            frames, breaks, *lookups = (a - b for a, b in zip(after, before))
+            frames, breaks, *rest = (a - b for a, b in zip(after, before))
             target = self.first_frames if self._steps[name] == 0 else self.later_frames
             target[name] += frames
             self.breaks[name] += breaks
-            for key, n in zip(CACHE_COUNTERS, lookups):
+            for key, n in zip([*CACHE_COUNTERS, *COMPILE_PHASES], rest):
                 self.cache[name][key] += n
             self._steps[name] += 1
 
