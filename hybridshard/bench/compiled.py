@@ -15,9 +15,9 @@ outlive a compile and would carry one contestant's compile over to the next (con
 blocks of the same code), or one run's over to the next:
 
 - dynamo's cache of compiled frames, kept on the code object (``Block.forward``'s): its guards do
-  not tell one system's block from another's, and FSDP2's blocks ran hybridshard's compiled frame,
-  compiling no graph of their own. :func:`private_forward` gives each compiled contestant's blocks a
-  copy of the class's forward code (the same code, a code object of its own);
+  not tell one system's block from another's, so a second contestant would run the first one's
+  compiled frame and capture no graph. :func:`private_forward` gives each compiled contestant's
+  blocks a copy of the class's forward code (the same code, a code object of its own);
 - inductor's on-disk caches (FX graph and AOTAutograd, under ``TORCHINDUCTOR_CACHE_DIR``, shared by
   the user's processes and kept between runs) and its in-memory ones (loaded kernels by source):
   :meth:`CompileCounts.cold` runs each contestant's warm-up steps in
