@@ -12,7 +12,8 @@ train the same model.
     python benchmarks/gpu_step.py --compile   # + hybridshard compiled per unit, FSDP2 compiled per block
 
 With ``--compile`` three systems run: hybridshard eager, hybridshard with ``shard(..., compile=True)``
-and FSDP2 with each block's ``.compile()``; the first step (where compilation happens) is timed apart.
+and FSDP2 with each block's ``.compile()``; the first step (where compilation happens) is timed apart, each system compiling cold
+(see [Note: cold compiles] in hybridshard/bench/compiled.py).
 
 Without a CUDA device it prints why and exits 0.
 """
@@ -20,6 +21,7 @@ Without a CUDA device it prints why and exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after an installed hybridshard
 
 import hybridshard as hs  # noqa: E402
+from hybridshard.bench.compiled import CompileCounts, private_forward, warm_inductor  # noqa: E402
 from hybridshard.bench.model import GPT, Block, global_batch  # noqa: E402
 
 
@@ -43,7 +46,10 @@ def build(args: argparse.Namespace) -> GPT:
 def hybridshard_model(args: argparse.Namespace, device: torch.device, groups: hs.ShardGroups,
                       compile: bool = False) -> torch.nn.Module:
     mp = hs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.dtype == "bf16" else None
-    return hs.shard(build(args), strategy=args.strategy, groups=groups, wrap={Block}, device=device,
+    model = build(args)
+    if compile:  # see [Note: cold compiles] in hybridshard/bench/compiled.py
+        private_forward(model, Block)
+    return hs.shard(model, strategy=args.strategy, groups=groups, wrap={Block}, device=device,
                     mixed_precision=mp, **({"compile": True} if compile else {}))
 
 
@@ -52,6 +58,8 @@ def fsdp2_model(args: argparse.Namespace, device: torch.device, compile: bool = 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build(args).to(device)
+    if compile:
+        private_forward(model, Block)
     mesh = init_device_mesh("cuda", (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.dtype == "bf16" else None
     options = {"mesh": mesh, **({"mp_policy": mp} if mp is not None else {})}
@@ -113,10 +121,17 @@ def main() -> int:
         batches = [global_batch(i, seed=0, batch=args.batch, seq=args.seq, vocab=args.vocab).to(device)
                    for i in range(args.warmup + args.rounds)]
         first, first_s = {}, {}
-        for name, m in systems.items():  # the first step: where compiling happens
-            t0 = time.perf_counter()
-            first[name] = step(m, opts[name], batches[0], args.vocab).item()
-            first_s[name] = time.perf_counter() - t0
+        counts = CompileCounts()
+        if args.compile:
+            warm_inductor(device)
+        try:
+            for name, m in systems.items():  # the first step: where compiling happens, cold for each system
+                with counts.cold(name) if args.compile else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    first[name] = step(m, opts[name], batches[0], args.vocab).item()
+                    first_s[name] = time.perf_counter() - t0
+        finally:
+            counts.close()
         for i in range(1, args.warmup):
             for name, m in systems.items():
                 step(m, opts[name], batches[i], args.vocab)

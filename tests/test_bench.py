@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from hybridshard.bench import stats
 from hybridshard.bench.config import BenchConfig, Contestant, System, contestants, parse_variant, shard_options
@@ -268,3 +269,41 @@ def test_compile_flag_adds_compiled_variants_and_the_compile_table():
     text = render_text(results)
     row = next(line for line in text.splitlines() if line.startswith("hybridshard:compile=true") and "9.0" in line)
     assert row.split()[1:] == ["9.0", "1", "0", "0", "30.0", "0.60", "0.75"]  # /eager 30/50, /fsdp2 30/40
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)).sum()
+
+
+@pytest.mark.timeout(300)
+def test_compile_counts_compile_every_contestant_cold():
+    """``--compile``: a contestant compiling the same module code as another before it captures its own graph
+    (dynamo's frame cache) and finds no inductor cache entry of the other's (nor of an earlier run's); graphs,
+    hits and misses are counted per contestant."""
+    from hybridshard.bench.compiled import CompileCounts, private_forward
+
+    counts = CompileCounts()
+    try:
+        for name in ("first", "second"):
+            torch.manual_seed(0)
+            module = _Tiny()
+            assert private_forward(module, _Tiny) == 1
+            module.forward = torch.compile(module.forward)  # as shard(..., compile=True) does
+            with counts.cold(name), counts.step(name):
+                module(torch.randn(2, 4)).backward()
+        root = counts._root
+    finally:
+        counts.close()
+        torch._dynamo.reset()
+    assert root is not None and not os.path.exists(root)
+    for name in ("first", "second"):
+        c = counts.facts(name)
+        assert c["frames_first_step"] == 1 and c["graphs"] == 1, (name, c)
+        # cold: FX graph and AOTAutograd caches looked up and missed, never hit
+        assert c["fx_hits"] == 0 and c["fx_misses"] >= 1 and c["aot_hits"] == 0 and c["aot_misses"] >= 1, (name, c)
+        assert c["frame_compile_s"] > 0 and c["backward_compile_s"] > 0, (name, c)  # torch's own clocks, per contestant

@@ -154,8 +154,9 @@ class BenchConfig:
     timeout_s: float = 300.0
     """Process-group timeout: a collective that cannot finish fails after this long."""
     compile: bool = False
-    """``--compile``: FSDP2 compiles each block after ``fully_shard`` (``block.compile()``), and the first
-    step's time, frames, graph breaks and recompiles are reported (see [Note: bench compile counts])."""
+    """``--compile``: FSDP2 compiles each block after ``fully_shard`` (``block.compile()``), every contestant
+    compiles cold (see [Note: cold compiles]), and the first step's time, frames, graph breaks and
+    recompiles are reported (see [Note: bench compile counts])."""
 
     def __post_init__(self) -> None:
         if self.strategy not in _STRATEGIES:

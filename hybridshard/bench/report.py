@@ -50,6 +50,18 @@ def _compile_table(results: dict[str, Any]) -> list[str]:
         )
     lines.append("/eager: median step over the same hybridshard variant's eager median; /fsdp2: over FSDP2 + "
                  "compile's (FSDP2 compiles each block after fully_shard).")
+    compiled = [(n, e["compile"]) for n, e in results["systems"].items() if e["compile"]["frames_first_step"]
+                or e["compile"]["recompiles"]]
+    counted = ", ".join(f"{name} {c.get('graphs', 0)}, {c.get('fx_hits', 0)}/{c.get('fx_misses', 0)} and "
+                        f"{c.get('aot_hits', 0)}/{c.get('aot_misses', 0)}" for name, c in compiled)
+    clocked = ", ".join(f"{name} {c.get('frame_compile_s', 0):.1f} + {c.get('backward_compile_s', 0):.1f}"
+                        for name, c in compiled)
+    lines.append("caches: each contestant compiled cold: its blocks' forward code its own (dynamo's frame cache), an "
+                 "empty inductor cache directory of its own per rank (FX graph and AOTAutograd caches), in-memory caches "
+                 "cleared, the process's one-time costs paid before by an unrelated compile; rank 0's graphs captured, "
+                 f"cache hits/misses FX graph and AOTAutograd: {counted or 'none'}.")
+    lines.append("compile s inside torch (rank 0, torch's phase clocks), frame (dynamo + forward) + backward: "
+                 f"{clocked or 'none'}; the rest of the first step is the step itself and waiting for the other ranks.")
     return lines
 
 

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hybridshard as hs
+from hybridshard.bench.compiled import private_forward
 from hybridshard.bench.config import BenchConfig, Contestant, System
 from hybridshard.bench.model import GPT, Block
 
@@ -103,6 +104,8 @@ def _fsdp2(model: nn.Module, cfg: BenchConfig, groups) -> nn.Module:
 def build_trainer(contestant: Contestant, cfg: BenchConfig, groups, device: torch.device) -> Trainer:
     """Build ``contestant``'s model from ``cfg.seed`` (the same weights for every system) and wrap it."""
     model = build_model(cfg).to(device)
+    if cfg.compile and (contestant.system is System.FSDP2 or dict(contestant.options).get("compile")):
+        private_forward(model, Block)  # see [Note: cold compiles]
     if contestant.system is System.HYBRIDSHARD:
         model = _hybridshard(model, cfg, groups, contestant, device)
     elif contestant.system is System.FSDP1:

@@ -13,6 +13,7 @@ summary is the median with the 10th and 90th percentiles.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -26,7 +27,7 @@ import hybridshard as hs
 from hybridshard.bench import measure, stats
 from hybridshard.bench.chart import write_chart
 from hybridshard.bench.config import BenchConfig, System
-from hybridshard.bench.compiled import CompileCounts
+from hybridshard.bench.compiled import CompileCounts, warm_inductor
 from hybridshard.bench.hook_time import HookClock
 from hybridshard.bench.model import rank_batch
 from hybridshard.bench.progress import Progress
@@ -97,6 +98,25 @@ def run_worker(cfg: BenchConfig, out_dir: str, *, link: str, from_job: bool, pri
             dist.destroy_process_group()
 
 
+def _warm_up(t: Trainer, cfg: BenchConfig, groups, device: torch.device, compiles: CompileCounts,
+             losses: dict[str, list[torch.Tensor]], facts: dict[str, dict]) -> None:
+    """``cfg.warmup`` untimed steps of ``t``; the first is timed (the compile), the last is the measured one."""
+    name = t.contestant.name
+    for k in range(cfg.warmup):
+        if k == 0:
+            _barrier(device)
+            t0 = time.perf_counter()
+        with compiles.step(name):
+            if k == cfg.warmup - 1:
+                loss, facts[name] = _measured_step(t, cfg, groups, device)
+            else:
+                loss = t.step(_batch(cfg, t.steps_done).to(device))
+        losses[name].append(loss)
+        if k == 0:
+            _barrier(device)
+            compiles.first_step_ms[name] = (time.perf_counter() - t0) * 1e3
+
+
 def _run(cfg: BenchConfig, out_dir: str, clock: HookClock, *, link: str, from_job: bool, print_report: bool) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg.check_world(world)
@@ -108,22 +128,15 @@ def _run(cfg: BenchConfig, out_dir: str, clock: HookClock, *, link: str, from_jo
     losses: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     facts: dict[str, dict] = {}
     compiles = CompileCounts()
-    for t in trainers:  # warm-up; the first is timed (the compile), the last warm-up step is the measured one
-        name = t.contestant.name
-        for k in range(cfg.warmup):
-            if k == 0:
-                _barrier(device)
-                t0 = time.perf_counter()
-            with compiles.step(name):
-                if k == cfg.warmup - 1:
-                    loss, facts[name] = _measured_step(t, cfg, groups, device)
-                else:
-                    loss = t.step(_batch(cfg, t.steps_done).to(device))
-            losses[name].append(loss)
-            if k == 0:
-                _barrier(device)
-                compiles.first_step_ms[name] = (time.perf_counter() - t0) * 1e3
-        progress.advance(f"warm-up {name}")
+    if cfg.compile:  # see [Note: cold compiles]
+        warm_inductor()
+    try:
+        for t in trainers:  # warm-up; the first is timed (the compile), the last warm-up step is the measured one
+            with compiles.cold(t.contestant.name) if cfg.compile else contextlib.nullcontext():
+                _warm_up(t, cfg, groups, device, compiles, losses, facts)
+            progress.advance(f"warm-up {t.contestant.name}")
+    finally:
+        compiles.close()
     times_ms: dict[str, list[float]] = {n: [] for n in names}
     clock.reset()
     for r in range(cfg.rounds):  # see [Note: bench timing]
