@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from hybridshard.bench.model import Block
+from hybridshard.bench.model import Block, add_shape_arguments
 
 
 class _Views:
@@ -42,10 +42,7 @@ class _Views:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=4)
+    add_shape_arguments(p, layers=None, batch=4)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--backend", default="inductor")
     args = p.parse_args()

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hybridshard.bench.model import add_shape_arguments
+
 WORLD = 2
 
 
@@ -101,11 +103,7 @@ class _null:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=8)
+    add_shape_arguments(p)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile-steps", type=int, default=6)
     p.add_argument("--top", type=int, default=25)

@@ -8,11 +8,24 @@ weights, and every system's ``k``-th step sees the same batch.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Block", "GPT", "global_batch", "rank_batch"]
+__all__ = ["Block", "GPT", "add_shape_arguments", "global_batch", "rank_batch"]
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser, *, layers: int | None = 4, batch: int = 8) -> None:
+    """``--d-model --heads --seq --batch`` (and ``--layers`` unless ``None``) for a benchmark script of
+    this model, with the defaults of ``hybridshard bench --compile``'s documented run."""
+    parser.add_argument("--d-model", type=int, default=128)
+    if layers is not None:
+        parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=batch)
 
 
 class Block(nn.Module):
