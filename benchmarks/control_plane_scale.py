@@ -295,6 +295,11 @@ def _sent(obj: Any) -> int:
     return 8 + len(pickle.dumps(obj))
 
 
+def _delivered(obj: Any) -> Any:
+    """``obj`` as a receiver of an object message holds it: unpickled."""
+    return pickle.loads(pickle.dumps(obj))
+
+
 def _gathered_bytes(payloads: list[Any]) -> int:
     """What ``all_gather_object`` leaves on each rank: W sizes, then W buffers of the largest pickle."""
     return 8 * len(payloads) + len(payloads) * max(_sent(p) - 8 for p in payloads)
@@ -302,9 +307,10 @@ def _gathered_bytes(payloads: list[Any]) -> int:
 
 def init_and_checkpoint(world: int, layout: str = "block") -> dict[str, float]:
     """Bytes each rank receives in :func:`hybridshard.topology.summary.gather_summary` (the gather tree:
-    parts and node probes to block leaders, one blob a block to rank 0, the view to all), from the real
-    payloads, per rank; and the time through it on its critical path: a rank's part, its leader's blob,
-    rank 0's assembly, a rank's planning."""
+    parts to block leaders, a parts blob a block to rank 0, rank 0's choice of senders back, each node
+    probe once to its leader and in a node blob to rank 0, the view to all), from the real payloads, per
+    rank; and the time through it on its critical path: a rank's part, the slowest leader's parts blob,
+    rank 0's choice, the slowest node blob, rank 0's assembly, a rank's planning."""
     from hybridshard.topology import summary
     from hybridshard.topology.planner import plan_groups
 
@@ -313,31 +319,50 @@ def init_and_checkpoint(world: int, layout: str = "block") -> dict[str, float]:
     t = time.perf_counter()
     parts = [summary.rank_part(p) for p in probes]
     part_s = (time.perf_counter() - t) / world  # each rank builds its own part
-    tree, blobs, pack_s = summary.blocks(world), [], 0.0
+    # What each leader holds: its own part and its members' as received (unpickled copies, as the real
+    # messages leave them: the pickles of what it packs depend on it). Rank 0 holds block 0's that way
+    # and every other block's as unpacked from its blob.
+    tree, held, pack_s = summary.blocks(world), [], 0.0
     for block in tree:
+        mine = [parts[block[0]]] + [_delivered(parts[r]) for r in block[1:]]
         t = time.perf_counter()
-        mine = [parts[r] for r in block]
-        chosen = summary.senders(mine)
-        blob = summary.pack_block(mine, {summary.node_key(mine[i]): probes[block[i]].node.to_dict() for i in chosen})
+        blob = summary.pack(mine)
         pack_s = max(pack_s, time.perf_counter() - t)  # the leaders pack at once
-        blobs.append(blob)
-        leader = block[0]
-        for i, r in enumerate(block[1:], start=1):
-            received[leader] += _sent(parts[r])
-            received[r] += _sent(i in chosen)
-        received[leader] += sum(_sent(probes[block[i]].node.to_dict()) for i in chosen if i)
-        if leader:
+        held.append(summary.unpack(blob) if block[0] else mine)
+        received[block[0]] += sum(_sent(parts[r]) for r in block[1:])
+        if block[0]:
             received[0] += _sent(blob)
     t = time.perf_counter()
-    encoded = summary.encode_view(summary.view_from_blocks(blobs))
+    chosen = summary.assign_senders(held)
+    pack_s += time.perf_counter() - t
+    node_s, nodes = 0.0, {}
+    for block, mine, block_parts in zip(tree, chosen, held):
+        leader = block[0]
+        sent = {i: probes[block[i]].node.to_dict() for i in mine}
+        got = {i: node if i == 0 else _delivered(node) for i, node in sent.items()}
+        t = time.perf_counter()
+        blob = summary.pack(got) if leader and mine else b""
+        node_s = max(node_s, time.perf_counter() - t)
+        at_rank0 = summary.unpack(blob) if blob else got
+        nodes.update({summary.node_key(block_parts[i]): node for i, node in at_rank0.items()})
+        for i, r in enumerate(block[1:], start=1):
+            received[r] += _sent(i in mine)
+        received[leader] += sum(_sent(sent[i]) for i in mine if i)
+        if leader:
+            received[leader] += _sent(mine)
+            received[0] += _sent(blob) if mine else 0
+    t = time.perf_counter()
+    encoded = summary.encode_view(summary.view_from_parts([p for ps in held for p in ps], nodes))
     plan_groups(summary.decode_view(encoded))
-    init_s = part_s + pack_s + time.perf_counter() - t
+    init_s = part_s + pack_s + node_s + time.perf_counter() - t
     for r in range(1, world):  # broadcast_object_list: the size, then the pickle
         received[r] += _sent(("view", encoded))
     leaders = [b[0] for b in tree[1:]] or [0]
-    # Before the tree: rank 0 gathered every part (gather_object pads to the largest) and each node once.
-    flat = [r for r in summary.senders(parts) if r]
-    rank0_flat = 8 * world + world * max(_sent(p) - 8 for p in parts)
+    # Before the tree: rank 0 gathered every part, its GPU UUIDs in full (gather_object pads to the
+    # largest), and each node once.
+    flat = [block[i] for block, mine in zip(tree, chosen) for i in mine if block[i]]
+    rank0_flat = 8 * world + world * max(_sent({**p.to_dict(), "node": part["node"]}) - 8
+                                         for p, part in zip(probes, parts))
     rank0_flat += sum(_sent(probes[r].node.to_dict()) for r in flat)
     nodes_of = [f"node{r // RANKS_PER_NODE:05d}" for r in range(world)]
     ckpt = _gathered_bytes(nodes_of) + _gathered_bytes([1 << 40] * world)  # node names, then bytes written
