@@ -307,10 +307,10 @@ def _gathered_bytes(payloads: list[Any]) -> int:
 
 def init_and_checkpoint(world: int, layout: str = "block") -> dict[str, float]:
     """Bytes each rank receives in :func:`hybridshard.topology.summary.gather_summary` (the gather tree:
-    parts to block leaders, a parts blob a block to rank 0, rank 0's choice of senders back, each node
-    probe once to its leader and in a node blob to rank 0, the view to all), from the real payloads, per
-    rank; and the time through it on its critical path: a rank's part, the slowest leader's parts blob,
-    rank 0's choice, the slowest node blob, rank 0's assembly, a rank's planning."""
+    parts to block leaders, their keys to rank 0, its choice of senders back, each node probe once to
+    its leader, one blob of parts and node probes a block to rank 0, the view to all), from the real
+    payloads, per rank; and the time through it on its critical path: a rank's part, rank 0's choice,
+    the slowest leader's blob, rank 0's assembly, a rank's planning."""
     from hybridshard.topology import summary
     from hybridshard.topology.planner import plan_groups
 
@@ -320,47 +320,44 @@ def init_and_checkpoint(world: int, layout: str = "block") -> dict[str, float]:
     parts = [summary.rank_part(p) for p in probes]
     part_s = (time.perf_counter() - t) / world  # each rank builds its own part
     # What each leader holds: its own part and its members' as received (unpickled copies, as the real
-    # messages leave them: the pickles of what it packs depend on it). Rank 0 holds block 0's that way
-    # and every other block's as unpacked from its blob.
+    # messages leave them: the pickles of what it packs depend on it).
     tree, held, pack_s = summary.blocks(world), [], 0.0
     for block in tree:
-        mine = [parts[block[0]]] + [_delivered(parts[r]) for r in block[1:]]
-        t = time.perf_counter()
-        blob = summary.pack(mine)
-        pack_s = max(pack_s, time.perf_counter() - t)  # the leaders pack at once
-        held.append(summary.unpack(blob) if block[0] else mine)
+        held.append([parts[block[0]]] + [_delivered(parts[r]) for r in block[1:]])
         received[block[0]] += sum(_sent(parts[r]) for r in block[1:])
-        if block[0]:
-            received[0] += _sent(blob)
     t = time.perf_counter()
-    chosen = summary.assign_senders(held)
-    pack_s += time.perf_counter() - t
-    node_s, nodes = 0.0, {}
-    for block, mine, block_parts in zip(tree, chosen, held):
-        leader = block[0]
-        sent = {i: probes[block[i]].node.to_dict() for i in mine}
-        got = {i: node if i == 0 else _delivered(node) for i, node in sent.items()}
-        t = time.perf_counter()
-        blob = summary.pack(got) if leader and mine else b""
-        node_s = max(node_s, time.perf_counter() - t)
-        at_rank0 = summary.unpack(blob) if blob else got
-        nodes.update({summary.node_key(block_parts[i]): node for i, node in at_rank0.items()})
+    keys = [summary.pack(summary.node_keys(mine)) for mine in held]
+    chosen = summary.assign_senders([summary.unpack(k) for k in keys])
+    assign_s = time.perf_counter() - t
+    nodes: dict[Any, Any] = {}
+    all_parts = []
+    for block, mine, key_blob, given in zip(tree, held, keys, chosen):
+        leader, senders = block[0], summary.sender_positions(mine, given)
         for i, r in enumerate(block[1:], start=1):
-            received[r] += _sent(i in mine)
-        received[leader] += sum(_sent(sent[i]) for i in mine if i)
+            received[r] += _sent(i in senders)
+        sent = [probes[block[i]].node.to_dict() for i in senders]
+        received[leader] += sum(_sent(node) for i, node in zip(senders, sent) if i)
+        got = [node if i == 0 else _delivered(node) for i, node in zip(senders, sent)]
+        t = time.perf_counter()
+        blob = summary.pack((mine, got))
+        pack_s = max(pack_s, time.perf_counter() - t)  # the leaders pack at once
         if leader:
-            received[leader] += _sent(mine)
-            received[0] += _sent(blob) if mine else 0
+            received[0] += _sent(key_blob) + _sent(blob)
+            received[leader] += _sent(given)
+            mine, got = summary.unpack(blob)
+        all_parts += mine
+        keys_there = summary.node_keys(mine)
+        nodes.update({keys_there[k]: node for k, node in zip(given, got)})
     t = time.perf_counter()
-    encoded = summary.encode_view(summary.view_from_parts([p for ps in held for p in ps], nodes))
+    encoded = summary.encode_view(summary.view_from_parts(all_parts, nodes))
     plan_groups(summary.decode_view(encoded))
-    init_s = part_s + pack_s + node_s + time.perf_counter() - t
+    init_s = part_s + assign_s + pack_s + time.perf_counter() - t
     for r in range(1, world):  # broadcast_object_list: the size, then the pickle
         received[r] += _sent(("view", encoded))
     leaders = [b[0] for b in tree[1:]] or [0]
     # Before the tree: rank 0 gathered every part, its GPU UUIDs in full (gather_object pads to the
     # largest), and each node once.
-    flat = [block[i] for block, mine in zip(tree, chosen) for i in mine if block[i]]
+    flat = [r for r in {summary.node_key(p): r for r, p in reversed(list(enumerate(parts)))}.values() if r]
     rank0_flat = 8 * world + world * max(_sent({**p.to_dict(), "node": part["node"]}) - 8
                                          for p, part in zip(probes, parts))
     rank0_flat += sum(_sent(probes[r].node.to_dict()) for r in flat)

@@ -135,15 +135,15 @@ def test_tree_view_is_the_flat_assembly(name):
 
 
 def node_probes_sent(comm):
-    """Every node probe that travelled: (sender, receiver, node name), raw or inside a leader's node blob."""
+    """Every node probe that travelled: (sender, receiver, node name), raw or inside a leader's blob."""
     out = []
     for src, dst, obj in comm.sent:
         if isinstance(obj, dict) and "gpus" in obj:
             out.append((src, dst, obj["node_name"]))
         elif isinstance(obj, bytes):
             blob = summary.unpack(obj)
-            if isinstance(blob, dict):  # a node blob (a parts blob is a list)
-                out += [(src, dst, node["node_name"]) for node in blob.values()]
+            if isinstance(blob, tuple):  # (parts, node probes); a list is a block's keys
+                out += [(src, dst, node["node_name"]) for node in blob[1]]
     return out
 
 
@@ -157,23 +157,23 @@ def test_each_node_probe_is_sent_once(name):
     keys = collections.Counter(name for name, _ in {summary.node_key(summary.rank_part(p)) for p in probes})
     keys[probes[0].node.node_name] -= 1  # rank 0's own, unless the node has a second digest
     assert to_rank0 == +keys, (to_rank0, keys)
-    # Each leader sends rank 0 one parts blob and at most one node blob, and nothing else goes to rank 0
-    # from outside block 0.
+    # Each leader sends rank 0 its keys and one blob, and nothing else reaches rank 0 from outside block 0.
     leaders = [b[0] for b in tree[1:]]
     blobs = collections.Counter(src for src, dst, obj in comm.sent if dst == 0 and isinstance(obj, bytes))
-    assert set(blobs) <= set(leaders) and all(1 <= blobs[r] <= 2 for r in leaders), blobs
+    assert blobs == dict.fromkeys(leaders, 2), blobs
     assert {src for src, dst, _ in comm.sent if dst == 0} <= set(leaders) | set(tree[0]), comm.sent
 
 
 def test_senders_are_one_block_per_node_and_spread():
-    # 4 nodes of 8 in cyclic order, blocks of 8: every block holds every node.
+    # 4 nodes of 8 in cyclic order, blocks of 8: every block holds every node, its leader on node 0.
     parts = [summary.rank_part(p) for p in job_probes([8] * 4, rank_order(4, 8, "cyclic"))]
     block_parts = [parts[b.start:b.stop] for b in summary.blocks(32, 8)]
-    chosen = summary.assign_senders(block_parts)
-    sent = [summary.node_key(block_parts[b][i]) for b, mine in enumerate(chosen) for i in mine]
-    assert sorted(sent) == sorted({summary.node_key(p) for p in parts}), chosen
+    block_keys = [summary.node_keys(ps) for ps in block_parts]
+    assert all(keys == block_keys[0] and len(keys) == 4 for keys in block_keys)
+    chosen = summary.assign_senders(block_keys)
     # Rank 0's node goes with rank 0 (no message); the other three, one a block, none from block 0.
     assert chosen == [[0], [1], [2], [3]], chosen
+    assert [summary.sender_positions(ps, c) for ps, c in zip(block_parts, chosen)] == [[0], [1], [2], [3]]
 
 
 HARNESS = Path(__file__).resolve().parents[1] / "benchmarks" / "control_plane_scale.py"

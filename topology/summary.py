@@ -17,24 +17,25 @@ messages on the given group (creating subgroups at init would itself cost O(W)):
 
 1. the ranks are cut into :func:`blocks` of consecutive group ranks, about sqrt(W) each (see
    :func:`block_size`); a block's first rank leads it;
-2. each member sends its leader its part; each leader sends rank 0, which leads block 0, its
-   block's parts as one compressed blob (:func:`pack`);
+2. each member sends its leader its part; each leader sends rank 0, which leads block 0, the
+   distinct (node name, digest) of its block (:func:`node_keys`, compressed: a few bytes each);
 3. rank 0 picks, for each distinct (node name, digest), the one block that sends its probe
-   (:func:`assign_senders`, [Note: one sender per node]) and tells each leader which of its
-   positions send; the leader tells every member whether it is one, those send their node probe,
-   and the leader packs its block's probes into a second blob for rank 0;
-4. rank 0 puts the view together (:func:`view_from_parts`) and broadcasts it, or the error every
+   (:func:`assign_senders`, [Note: one sender per node]) and tells each leader which of its keys;
+   the leader tells every member whether it is the first of such a key, those send their node probe;
+4. each leader packs its block's parts and the node probes it was given into one compressed blob
+   (:func:`pack`) for rank 0;
+5. rank 0 puts the view together (:func:`view_from_parts`) and broadcasts it, or the error every
    rank raises alike.
 
-Rank 0 receives W/B parts blobs, node blobs and B parts, a leader B parts: O(sqrt W) messages
-each. ``docs/scale.md`` has the figures.
+Rank 0 receives W/B key lists and blobs and B parts, a leader B parts: O(sqrt W) messages each.
+``docs/scale.md`` has the figures.
 
 [Note: one sender per node]
 Rank ranges know nothing of nodes: in SLURM's cyclic order every block of B consecutive ranks meets
 B nodes, so a probe sent by every block holding one of its node's ranks would reach rank 0 up to
-W/B times. Rank 0, holding every part after step 2, names one block per probe: a leader's own node
-goes with the first block it leads (no message); any other with the least-loaded block holding it,
-block 0 last (there each probe is one uncompressed message to rank 0, elsewhere packed with others).
+W/B times. Rank 0, holding every block's keys after step 2, names one block per key: a leader's own
+node goes with the first block it leads (no message); any other with the least-loaded block holding
+it, block 0 last (there each probe is one uncompressed message to rank 0, elsewhere packed with others).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from hybridshard.topology.records import ClusterView, NodeProbe, RankProbe
 logger = logging.getLogger(__name__)
 
 __all__ = ["assign_senders", "block_size", "blocks", "decode_view", "encode_view", "gather_summary", "gather_with",
-           "node_digest", "node_key", "pack", "rank_part", "unpack", "view_from_parts"]
+           "node_digest", "node_key", "node_keys", "pack", "rank_part", "sender_positions", "unpack",
+           "view_from_parts"]
 
 NODE_MULTIPLE = 8
 """Blocks are a multiple of this many ranks: whole nodes of 8, 4, 2 or 1 ranks in torchrun's order."""
@@ -97,19 +99,32 @@ def blocks(world_size: int, size: int | None = None) -> list[range]:
     return [range(start, min(start + size, world_size)) for start in range(0, world_size, size)]
 
 
-def assign_senders(block_parts: Sequence[Sequence[dict[str, Any]]]) -> list[list[int]]:
-    """For each block (its parts, in rank order), the positions whose node probe it sends: one
-    position in one block per distinct (node name, digest). See [Note: one sender per node]."""
-    offers: dict[NodeKey, dict[int, int]] = {}  # key -> {block: its first position there}
-    for b, parts in enumerate(block_parts):
-        for i, part in enumerate(parts):
-            offers.setdefault(node_key(part), {}).setdefault(b, i)
-    load, chosen = [0] * len(block_parts), [[] for _ in block_parts]
+def node_keys(parts: Sequence[dict[str, Any]]) -> list[NodeKey]:
+    """The distinct (node name, digest) of a block's parts, in order of first appearance (its leader's first)."""
+    return list(dict.fromkeys(node_key(part) for part in parts))
+
+
+def assign_senders(block_keys: Sequence[Sequence[NodeKey]]) -> list[list[int]]:
+    """For each block (its :func:`node_keys`), the indices of the keys whose node probe it sends: one
+    block per distinct (node name, digest). See [Note: one sender per node]."""
+    offers: dict[NodeKey, dict[int, int]] = {}  # key -> {block: its index there}
+    for b, keys in enumerate(block_keys):
+        for k, key in enumerate(keys):
+            offers.setdefault(key, {})[b] = k
+    load, chosen = [0] * len(block_keys), [[] for _ in block_keys]
     for by_block in offers.values():  # in rank order of first appearance: deterministic
         b = min(by_block, key=lambda c: (by_block[c] != 0, c == 0 and by_block[c] != 0, load[c], c))
         chosen[b].append(by_block[b])
         load[b] += by_block[b] != 0
     return [sorted(c) for c in chosen]
+
+
+def sender_positions(parts: Sequence[dict[str, Any]], chosen: Sequence[int]) -> list[int]:
+    """The positions in a block (its ``parts``) that send the node probes of its ``chosen`` keys: each
+    key's first."""
+    first = {key: i for i, key in reversed(list(enumerate(map(node_key, parts))))}
+    keys = node_keys(parts)
+    return [first[keys[k]] for k in chosen]
 
 
 def _uuid(uuids: list[str | None], value: int | str | None) -> str | None:
@@ -133,7 +148,7 @@ def view_from_parts(parts: Sequence[dict[str, Any]], nodes: dict[NodeKey, dict[s
 
 
 def pack(obj: Any) -> bytes:
-    """A leader's blob (its block's parts, or its node probes): compressed as one, they repeat each other."""
+    """A leader's blob (its block's keys, or its parts and node probes): compressed, they repeat each other."""
     return zlib.compress(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), 9)
 
 
@@ -155,26 +170,26 @@ def _recv(dist: Any, src: int, group: Any) -> Any:
     return box[0]
 
 
-def _send_nodes(dist: Any, block: range, chosen: Sequence[int], node: dict[str, Any], to_global: Any,
-                group: Any) -> dict[int, dict[str, Any]]:
-    """Step 3 of [Note: the gather tree] on a block's leader: the chosen positions' node probes."""
+def _lead_block(dist: Any, block: range, parts: list[dict[str, Any]], chosen: Sequence[int],
+                node: dict[str, Any], to_global: Any, group: Any) -> list[dict[str, Any]]:
+    """Step 3 of [Note: the gather tree] on a block's leader: the node probes of its ``chosen`` keys."""
+    senders = sender_positions(parts, chosen)
     for i, r in enumerate(block[1:], start=1):
-        dist.send_object_list([i in chosen], dst=to_global(r), group=group)
-    return {i: node if i == 0 else _recv(dist, to_global(block[i]), group) for i in chosen}
+        dist.send_object_list([i in senders], dst=to_global(r), group=group)
+    return [node if i == 0 else _recv(dist, to_global(block[i]), group) for i in senders]
 
 
 def _gather_on_rank0(dist: Any, tree: list[range], parts0: list[dict[str, Any]], node: dict[str, Any], to_global: Any,
                      group: Any) -> tuple[list[dict[str, Any]], dict[NodeKey, dict[str, Any]]]:
-    """Steps 2 and 3 of [Note: the gather tree] on rank 0, which leads block 0: every part and node probe."""
-    block_parts = [parts0] + [unpack(_recv(dist, to_global(b[0]), group)) for b in tree[1:]]
-    chosen = assign_senders(block_parts)
+    """Steps 2 to 4 of [Note: the gather tree] on rank 0, which leads block 0: every part and node probe."""
+    block_keys = [node_keys(parts0)] + [unpack(_recv(dist, to_global(b[0]), group)) for b in tree[1:]]
+    chosen = assign_senders(block_keys)
     for b, block in enumerate(tree[1:], start=1):
         dist.send_object_list([chosen[b]], dst=to_global(block[0]), group=group)
-    probes = [_send_nodes(dist, tree[0], chosen[0], node, to_global, group)]
-    probes += [unpack(_recv(dist, to_global(block[0]), group)) if chosen[b] else {}
-               for b, block in enumerate(tree[1:], start=1)]
-    nodes = {node_key(block_parts[b][i]): probe for b, got in enumerate(probes) for i, probe in got.items()}
-    return [p for parts in block_parts for p in parts], nodes
+    got = [(parts0, _lead_block(dist, tree[0], parts0, chosen[0], node, to_global, group))]
+    got += [unpack(_recv(dist, to_global(block[0]), group)) for block in tree[1:]]
+    nodes = {block_keys[b][k]: probe for b, (_, probes) in enumerate(got) for k, probe in zip(chosen[b], probes)}
+    return [p for parts, _ in got for p in parts], nodes
 
 
 def gather_summary(rank_probe: RankProbe, group: Any = None, *, ranks_per_block: int | None = None) -> ClusterView:
@@ -202,11 +217,10 @@ def gather_with(dist: Any, rank_probe: RankProbe, group: Any, ranks_per_block: i
     else:
         parts = [part] + [_recv(dist, to_global(r), group) for r in block[1:]]
         if me != 0:
-            dist.send_object_list([pack(parts)], dst=to_global(0), group=group)
+            dist.send_object_list([pack(node_keys(parts))], dst=to_global(0), group=group)
             chosen = _recv(dist, to_global(0), group)
-            nodes = _send_nodes(dist, block, chosen, node, to_global, group)
-            if chosen:
-                dist.send_object_list([pack(nodes)], dst=to_global(0), group=group)
+            nodes = _lead_block(dist, block, parts, chosen, node, to_global, group)
+            dist.send_object_list([pack((parts, nodes))], dst=to_global(0), group=group)
         else:
             parts, nodes = _gather_on_rank0(dist, tree, parts, node, to_global, group)
             try:
