@@ -86,16 +86,17 @@ def _gathered_bytes(payloads: list[Any]) -> int:
     return 8 * len(payloads) + len(payloads) * max(_sent(p) - 8 for p in payloads)
 
 
-def init_and_checkpoint(world: int, layout: str = "block") -> dict[str, float]:
+def init_and_checkpoint(world: int, layout: str = "block", probes: list[Any] | None = None) -> dict[str, float]:
     """Bytes each rank receives in :func:`hybridshard.topology.summary.gather_summary` (the gather tree:
     parts to block leaders, their keys to rank 0, its choice of senders back, each node probe once to
     its leader, one blob of parts and node probes a block to rank 0, the view to all), from the real
     payloads, per rank; and the time through it on its critical path: a rank's part, rank 0's choice,
-    the slowest leader's blob, rank 0's assembly, a rank's planning."""
+    the slowest leader's blob, rank 0's assembly, a rank's planning. ``probes``: :func:`_probes`'s, made
+    once by a caller that compares (they list this machine's network interfaces, which can change)."""
     from hybridshard.topology import summary
     from hybridshard.topology.planner import plan_groups
 
-    probes = _probes(world, layout)
+    probes = _probes(world, layout) if probes is None else probes
     received = [0] * world
     t = time.perf_counter()
     parts = [summary.rank_part(p) for p in probes]

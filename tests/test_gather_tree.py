@@ -186,7 +186,7 @@ def test_bytes_received_are_bounded_and_the_harness_counts_them(harness, layout,
     assert all(v == flat for v in views)
     received = [comm.received[r] for r in range(world)]
     assert max(received) <= 64 * 1024, (layout, max(received), received.index(max(received)))
-    counted = harness.init_and_checkpoint(world, layout)
+    counted = harness.init_and_checkpoint(world, layout, probes)
     tree = summary.blocks(world)
     members = [r for r in range(world) if r not in {b[0] for b in tree}]
     assert counted["init_bytes_rank0"] == received[0], (counted, received[0])
