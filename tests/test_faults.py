@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 
 import pytest
 
@@ -178,3 +179,33 @@ def test_unreachable_store_is_said_instead_of_naming_every_rank(monkeypatch):
     assert first.startswith("rank 2: all_reduce on the replicate group"), message
     assert "could not be reached" in first and "rank 0 is probably the lost one" in first, message
     assert message.splitlines()[-1] == "backend: closed by peer", message
+
+
+def test_an_ask_reads_once_more_after_a_beat_when_every_rank_is_alive():
+    # Every rank beats once a second: the ask's second reading, after peers.FIRST_READ, finds every
+    # counter moved, so a fault check on a healthy job costs one check and two multi_gets (readings at
+    # 0.25, 0.75 and 1.75 s cost two more, and a stall makes every rank ask at once).
+    from hybridshard.runtime.faults import peers
+    from hybridshard.runtime.faults.rank_state import ControlPlane, bound
+
+    start = time.monotonic()
+
+    class Store:
+        ops: list = []
+
+        def set(self, key, value):
+            pass
+
+        def check(self, keys):
+            Store.ops.append("check")
+            return True
+
+        def multi_get(self, keys):
+            Store.ops.append("multi_get")
+            beats = int(time.monotonic() - start)  # one a second
+            return [f'{beats}|{{"state": "running", "text": "rank {k[-1]}: running"}}'.encode() for k in keys]
+
+    with bound(ControlPlane(Store(), rank=0, world=4)):
+        reports = peers.ask_everyone({"state": "running", "text": "rank 0: running"})
+    assert [r.state for r in reports] == ["running"] * 4, reports
+    assert Store.ops == ["check", "multi_get", "multi_get"], Store.ops

@@ -1,7 +1,8 @@
 """The cluster view through the gather tree (topology/summary.py, [Note: the gather tree]) is the view
 the flat assembly of every probe gives: for several world sizes, rank orders and block sizes, nodes
 split over two blocks, a node whose ranks probed different things, one node; by threads standing in
-for ranks (every message pickled), then over gloo on 4 ranks."""
+for ranks (every message pickled), then over gloo on 4 ranks. Each node's probe is sent once, so the
+bytes a rank receives stay bounded in SLURM's cyclic order too ([Note: one sender per node])."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from hybridshard.topology.cluster import assemble_cluster
 from hybridshard.topology.records import RankProbe
 from hybridshard.topology.synthetic import rank_order, synthetic_node
 from tests.mp import RankPool
+from tests.test_control_plane_scale import harness  # noqa: F401 - the benchmark, loaded by its path
 
 
 def job_probes(counts, order=None, *, second_digest=()):
@@ -39,10 +41,12 @@ def job_probes(counts, order=None, *, second_digest=()):
 
 class ThreadComm:
     """``torch.distributed``'s object messages between threads (one per rank): a FIFO per (sender,
-    receiver), every object pickled on the way as the real ones are. ``sent`` logs (src, dst, object)."""
+    receiver), every object pickled on the way as the real ones are. ``sent`` logs (src, dst, object);
+    ``received`` counts each rank's bytes as the object collectives move them (an 8-byte size, the pickle)."""
 
     def __init__(self, world: int) -> None:
         self.world, self.local, self.sent = world, threading.local(), []
+        self.received = collections.Counter()
         self._queues = collections.defaultdict(queue.Queue)
         self._lock = threading.Lock()
 
@@ -61,8 +65,14 @@ class ThreadComm:
             self.sent.append((self.local.rank, dst, objs[0]))
         self._queue(("p2p", self.local.rank, dst)).put(pickle.dumps(objs[0]))
 
+    def _take(self, key):
+        data = self._queue(key).get(timeout=60)
+        with self._lock:
+            self.received[self.local.rank] += 8 + len(data)
+        return pickle.loads(data)
+
     def recv_object_list(self, box, src, group=None):
-        box[0] = pickle.loads(self._queue(("p2p", src, self.local.rank)).get(timeout=60))
+        box[0] = self._take(("p2p", src, self.local.rank))
 
     def broadcast_object_list(self, objs, src, group=None):
         if self.local.rank == src:
@@ -70,7 +80,7 @@ class ThreadComm:
                 if r != src:
                     self._queue(("bcast", src, r)).put(pickle.dumps(objs[0]))
         else:
-            objs[0] = pickle.loads(self._queue(("bcast", src, self.local.rank)).get(timeout=60))
+            objs[0] = self._take(("bcast", src, self.local.rank))
 
 
 def run_tree(probes, ranks_per_block=None):
@@ -105,6 +115,11 @@ LAYOUTS = {
     "one rank": (job_probes([1]), None),
     "every rank its own block": (job_probes([2] * 3, rank_order(3, 2, "cyclic")), 1),
     "200 ranks, default blocks of 16": (job_probes([8] * 25), None),
+    "128 ranks, cyclic over 16 nodes, blocks of 16": (job_probes([8] * 16, rank_order(16, 8, "cyclic")), None),
+    "cyclic, two digests on a node, blocks of 6": (job_probes([8] * 4, rank_order(4, 8, "cyclic"),
+                                                              second_digest={1, 4, 13, 22}), 6),
+    "cyclic over nodes of 4 and 8": (job_probes([4, 8, 4, 8], [(n, k) for k in range(8) for n in range(4)
+                                                               if k < (4, 8)[n % 2]]), 8),
 }
 
 
@@ -117,17 +132,67 @@ def test_tree_view_is_the_flat_assembly(name):
     assert views[0].nodes and sum(len(n.ranks) for n in views[0].nodes) == len(probes)
 
 
-def test_each_block_sends_a_node_probe_once_and_rank_0_one_blob_a_block():
-    probes = job_probes([8] * 4, second_digest={5, 9, 10})
-    _, comm = run_tree(probes, 6)
-    tree = summary.blocks(len(probes), 6)
-    nodes_sent = collections.Counter(dst for _, dst, obj in comm.sent if isinstance(obj, dict) and "gpus" in obj)
-    for block in tree:
-        keys = {(probes[r].node.node_name, summary.node_digest(probes[r].node)) for r in block}
-        # The leader's own node is not sent; every other distinct (name, digest) of the block once.
-        assert nodes_sent[block[0]] == len(keys) - 1, (block, nodes_sent)
-    blobs = [src for src, dst, obj in comm.sent if isinstance(obj, bytes)]
-    assert blobs == [b[0] for b in tree[1:]] and all(dst == 0 for _, dst, obj in comm.sent if isinstance(obj, bytes))
+def node_probes_sent(comm):
+    """Every node probe that travelled: (sender, receiver, node name), raw or inside a leader's blob."""
+    out = []
+    for src, dst, obj in comm.sent:
+        if isinstance(obj, dict) and "gpus" in obj:
+            out.append((src, dst, obj["node_name"]))
+        elif isinstance(obj, bytes):
+            blob = summary.unpack(obj)
+            if isinstance(blob, tuple):  # (parts, node probes); a list is a block's keys
+                out += [(src, dst, node["node_name"]) for node in blob[1]]
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if "cyclic" in n or "digests" in n])
+def test_each_node_probe_is_sent_once(name):
+    probes, per_block = LAYOUTS[name]
+    _, comm = run_tree(probes, per_block)
+    tree = summary.blocks(len(probes), per_block)
+    # To rank 0, once a (node name, digest): a node with two digests twice, the name of rank 0's never.
+    to_rank0 = collections.Counter(n for _, dst, n in node_probes_sent(comm) if dst == 0)
+    keys = collections.Counter(name for name, _ in {summary.node_key(summary.rank_part(p)) for p in probes})
+    keys[probes[0].node.node_name] -= 1  # rank 0's own, unless the node has a second digest
+    assert to_rank0 == +keys, (to_rank0, keys)
+    # Each leader sends rank 0 its keys and one blob, and nothing else reaches rank 0 from outside block 0.
+    leaders = [b[0] for b in tree[1:]]
+    blobs = collections.Counter(src for src, dst, obj in comm.sent if dst == 0 and isinstance(obj, bytes))
+    assert blobs == dict.fromkeys(leaders, 2), blobs
+    assert {src for src, dst, _ in comm.sent if dst == 0} <= set(leaders) | set(tree[0]), comm.sent
+
+
+def test_senders_are_one_block_per_node_and_spread():
+    # 4 nodes of 8 in cyclic order, blocks of 8: every block holds every node, its leader on node 0.
+    parts = [summary.rank_part(p) for p in job_probes([8] * 4, rank_order(4, 8, "cyclic"))]
+    block_parts = [parts[b.start:b.stop] for b in summary.blocks(32, 8)]
+    block_keys = [summary.node_keys(ps) for ps in block_parts]
+    assert all(keys == block_keys[0] and len(keys) == 4 for keys in block_keys)
+    chosen = summary.assign_senders(block_keys)
+    # Rank 0's node goes with rank 0 (no message); the other three, one a block, none from block 0.
+    assert chosen == [[0], [1], [2], [3]], chosen
+    assert [summary.sender_positions(ps, c) for ps, c in zip(block_parts, chosen)] == [[0], [1], [2], [3]]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout,world", [("cyclic", 256), ("block", 64)])
+def test_bytes_received_are_bounded_and_the_harness_counts_them(harness, layout, world):
+    """The real messages of W threads over the harness's probes (the 8-GPU DGX fixture): at 256 ranks in
+    SLURM's cyclic order no rank receives more than 64 KB (each node's probe sent by one block: every
+    block sending each of its nodes gave rank 0 300 KB); the harness counts exactly these bytes."""
+    probes = harness._probes(world, layout)
+    views, comm = run_tree(probes)
+    flat = assemble_cluster(probes)
+    assert all(v == flat for v in views)
+    received = [comm.received[r] for r in range(world)]
+    assert max(received) <= 64 * 1024, (layout, max(received), received.index(max(received)))
+    counted = harness.init_and_checkpoint(world, layout, probes)
+    tree = summary.blocks(world)
+    members = [r for r in range(world) if r not in {b[0] for b in tree}]
+    assert counted["init_bytes_rank0"] == received[0], (counted, received[0])
+    assert counted["init_bytes_leader"] == max(received[b[0]] for b in tree[1:]), counted
+    assert counted["init_bytes_per_rank"] == max(received[r] for r in members), counted
+    assert counted["init_bytes_max_rank"] == max(received), counted
 
 
 def test_blocks_cover_every_rank_once_in_order():
@@ -150,12 +215,11 @@ def test_a_bad_job_raises_the_same_error_on_every_rank():
     assert "expected one probe for each rank 0..31 with world size 32" in str(outcomes[0])
 
 
-def test_a_node_probe_missing_from_a_blob_is_named():
+def test_a_node_probe_missing_is_named():
     probes = job_probes([8] * 2)
     parts = [summary.rank_part(p) for p in probes]
-    blob = summary.pack_block(parts, {summary.node_key(parts[0]): probes[0].node.to_dict()})
     with pytest.raises(ValueError, match=r"rank 8's node 'n1' \(digest [0-9a-f]{16}\) was not sent; expected one"):
-        summary.view_from_blocks([blob])
+        summary.view_from_parts(parts, {summary.node_key(parts[0]): probes[0].node.to_dict()})
 
 
 def test_bad_block_sizes_are_refused():

@@ -185,3 +185,37 @@ def test_stuck_collective_names_a_kept_cause_when_the_store_is_gone(monkeypatch)
                                        "replicate group (ranks [0, 2]) cannot complete on rank 2 (step 3) (kept by "
                                        "this rank: the job's store could not be reached after that)."), message
     assert errors.peers_gone("all_reduce", "replicate", [1, 2], "step 3", 61.0, {}) is None  # rank 0 not in the group
+
+
+def test_a_waiting_rank_reads_the_causes_once_every_poll_every_seconds(monkeypatch):
+    # A stall keeps every rank waiting: one read of the count per poll (each second) was a third of the
+    # store operations of a fault check (docs/scale.md); once every poll_every() still acknowledges a
+    # cause well inside the HYBRIDSHARD_CAUSE_WAIT a dying rank gives its peers.
+    import types
+
+    from hybridshard.runtime.faults import causes
+    from hybridshard.runtime.faults.rank_state import ControlPlane, bound
+
+    class Store:
+        reads = 0
+
+        def add(self, key, n):
+            Store.reads += 1
+            return 0
+
+    monkeypatch.delenv("HYBRIDSHARD_CAUSE_WAIT", raising=False)
+    assert causes.poll_every() == 2.0 and 2.5 * causes.poll_every() <= causes.wait_seconds()
+    monkeypatch.setenv("HYBRIDSHARD_CAUSE_WAIT", "1")
+    assert causes.poll_every() == 0.4
+    plane = ControlPlane(Store(), rank=1, world=4)
+    fresh = [types.SimpleNamespace(started=time.monotonic())]
+    waiting = [types.SimpleNamespace(started=time.monotonic() - causes.WATCH_AFTER - 1)]
+    with bound(plane):
+        causes.poll_if_waiting(None, fresh)
+        assert Store.reads == 0  # not waiting long enough: a healthy step reads nothing
+        for _ in range(20):  # the watchdog's polls within poll_every()
+            causes.poll_if_waiting(None, waiting)
+        assert Store.reads == 1
+        plane.causes_polled -= causes.poll_every()
+        causes.poll_if_waiting(None, waiting)
+        assert Store.reads == 2

@@ -17,17 +17,25 @@ messages on the given group (creating subgroups at init would itself cost O(W)):
 
 1. the ranks are cut into :func:`blocks` of consecutive group ranks, about sqrt(W) each (see
    :func:`block_size`); a block's first rank leads it;
-2. each member sends its leader its part; the leader names the first member of each distinct
-   (node name, digest) of its block (:func:`senders`) and tells every member whether it is one;
-   those send their node probe;
-3. each leader packs its block's parts and node probes into one compressed blob
-   (:func:`pack_block`) and sends it to rank 0, which leads block 0;
-4. rank 0 unpacks the blobs (:func:`view_from_blocks`) and broadcasts the view, or the error every
+2. each member sends its leader its part; each leader sends rank 0, which leads block 0, the
+   distinct (node name, digest) of its block (:func:`node_keys`, compressed: a few bytes each);
+3. rank 0 picks, for each distinct (node name, digest), the one block that sends its probe
+   (:func:`assign_senders`, [Note: one sender per node]) and tells each leader which of its keys;
+   the leader tells every member whether it is the first of such a key, those send their node probe;
+4. each leader packs its block's parts and the node probes it was given into one compressed blob
+   (:func:`pack`) for rank 0;
+5. rank 0 puts the view together (:func:`view_from_parts`) and broadcasts it, or the error every
    rank raises alike.
 
-A node split over two blocks (rank ranges know nothing of nodes) has its probe sent by each; rank 0
-keeps one per (node name, digest). Rank 0 receives W/B blobs and B parts, a leader B parts: O(sqrt W)
-each. ``docs/scale.md`` has the figures.
+Rank 0 receives W/B key lists and blobs and B parts, a leader B parts: O(sqrt W) messages each.
+``docs/scale.md`` has the figures.
+
+[Note: one sender per node]
+Rank ranges know nothing of nodes: in SLURM's cyclic order every block of B consecutive ranks meets
+B nodes, so a probe sent by every block holding one of its node's ranks would reach rank 0 up to
+W/B times. Rank 0, holding every block's keys after step 2, names one block per key: a leader's own
+node goes with the first block it leads (no message); any other with the least-loaded block holding
+it, block 0 last (there each probe is one uncompressed message to rank 0, elsewhere packed with others).
 """
 
 from __future__ import annotations
@@ -45,8 +53,9 @@ from hybridshard.topology.records import ClusterView, NodeProbe, RankProbe
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["block_size", "blocks", "decode_view", "encode_view", "gather_summary", "gather_with", "node_digest",
-           "node_key", "pack_block", "rank_part", "senders", "view_from_blocks", "view_from_parts"]
+__all__ = ["assign_senders", "block_size", "blocks", "decode_view", "encode_view", "gather_summary", "gather_with",
+           "node_digest", "node_key", "node_keys", "pack", "rank_part", "sender_positions", "unpack",
+           "view_from_parts"]
 
 NODE_MULTIPLE = 8
 """Blocks are a multiple of this many ranks: whole nodes of 8, 4, 2 or 1 ranks in torchrun's order."""
@@ -63,6 +72,11 @@ def rank_part(probe: RankProbe) -> dict[str, Any]:
     """What the view needs of this rank's probe: all of it but the node, named by its digest."""
     d = probe.to_dict()
     d["node"] = {"node_name": probe.node.node_name, "digest": node_digest(probe.node)}
+    # A UUID of one of the node's GPUs goes as its position there: in cyclic order the parts a leader packs
+    # come from different nodes, and their UUIDs (random to zlib) would not compress.
+    position = {g.uuid: i for i, g in enumerate(probe.node.gpus)}
+    d["visible_gpu_uuids"] = [position.get(u, u) for u in d["visible_gpu_uuids"]]
+    d["gpu_uuid"] = position.get(d["gpu_uuid"], d["gpu_uuid"])
     return d
 
 
@@ -85,12 +99,37 @@ def blocks(world_size: int, size: int | None = None) -> list[range]:
     return [range(start, min(start + size, world_size)) for start in range(0, world_size, size)]
 
 
-def senders(parts: Sequence[dict[str, Any]]) -> list[int]:
-    """Positions in ``parts`` of the first part of each distinct (node name, digest): who sends its node."""
-    first: dict[NodeKey, int] = {}
-    for i, part in enumerate(parts):
-        first.setdefault(node_key(part), i)
-    return sorted(first.values())
+def node_keys(parts: Sequence[dict[str, Any]]) -> list[NodeKey]:
+    """The distinct (node name, digest) of a block's parts, in order of first appearance (its leader's first)."""
+    return list(dict.fromkeys(node_key(part) for part in parts))
+
+
+def assign_senders(block_keys: Sequence[Sequence[NodeKey]]) -> list[list[int]]:
+    """For each block (its :func:`node_keys`), the indices of the keys whose node probe it sends: one
+    block per distinct (node name, digest). See [Note: one sender per node]."""
+    offers: dict[NodeKey, dict[int, int]] = {}  # key -> {block: its index there}
+    for b, keys in enumerate(block_keys):
+        for k, key in enumerate(keys):
+            offers.setdefault(key, {})[b] = k
+    load, chosen = [0] * len(block_keys), [[] for _ in block_keys]
+    for by_block in offers.values():  # in rank order of first appearance: deterministic
+        b = min(by_block, key=lambda c: (by_block[c] != 0, c == 0 and by_block[c] != 0, load[c], c))
+        chosen[b].append(by_block[b])
+        load[b] += by_block[b] != 0
+    return [sorted(c) for c in chosen]
+
+
+def sender_positions(parts: Sequence[dict[str, Any]], chosen: Sequence[int]) -> list[int]:
+    """The positions in a block (its ``parts``) that send the node probes of its ``chosen`` keys: each
+    key's first."""
+    first = {key: i for i, key in reversed(list(enumerate(map(node_key, parts))))}
+    keys = node_keys(parts)
+    return [first[keys[k]] for k in chosen]
+
+
+def _uuid(uuids: list[str | None], value: int | str | None) -> str | None:
+    """A GPU UUID of a part: given as its position on the node (see :func:`rank_part`), or as itself."""
+    return uuids[value] if isinstance(value, int) else value
 
 
 def view_from_parts(parts: Sequence[dict[str, Any]], nodes: dict[NodeKey, dict[str, Any]]) -> ClusterView:
@@ -100,25 +139,21 @@ def view_from_parts(parts: Sequence[dict[str, Any]], nodes: dict[NodeKey, dict[s
         key = node_key(part)
         if key not in nodes:
             raise ValueError(f"rank {part['rank']}'s node {key[0]!r} (digest {key[1]}) was not sent; expected one "
-                             "probe per distinct node from senders()")
-        probes.append(RankProbe.from_dict({**part, "node": nodes[key]}))
+                             "probe per distinct node from assign_senders()")
+        node = nodes[key]
+        uuids = [gpu["uuid"] for gpu in node["gpus"]]
+        probes.append(RankProbe.from_dict({**part, "node": node, "gpu_uuid": _uuid(uuids, part["gpu_uuid"]),
+                                           "visible_gpu_uuids": [_uuid(uuids, u) for u in part["visible_gpu_uuids"]]}))
     return assemble_cluster(probes)
 
 
-def pack_block(parts: Sequence[dict[str, Any]], nodes: dict[NodeKey, dict[str, Any]]) -> bytes:
-    """One leader's blob: its block's parts and node probes, compressed as one (they repeat each other)."""
-    return zlib.compress(pickle.dumps((list(parts), nodes), protocol=pickle.HIGHEST_PROTOCOL), 9)
+def pack(obj: Any) -> bytes:
+    """A leader's blob (its block's keys, or its parts and node probes): compressed, they repeat each other."""
+    return zlib.compress(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), 9)
 
 
-def view_from_blocks(blobs: Sequence[bytes]) -> ClusterView:
-    """The view from every block's blob, in block order; a node sent by two blocks is kept once."""
-    parts: list[dict[str, Any]] = []
-    nodes: dict[NodeKey, dict[str, Any]] = {}
-    for blob in blobs:
-        block_parts, block_nodes = pickle.loads(zlib.decompress(blob))
-        parts.extend(block_parts)
-        nodes.update(block_nodes)
-    return view_from_parts(parts, nodes)
+def unpack(blob: bytes) -> Any:
+    return pickle.loads(zlib.decompress(blob))
 
 
 def encode_view(view: ClusterView) -> bytes:
@@ -135,15 +170,26 @@ def _recv(dist: Any, src: int, group: Any) -> Any:
     return box[0]
 
 
-def _lead_block(dist: Any, block: range, part: dict[str, Any], node: dict[str, Any], to_global: Any,
-                group: Any) -> bytes:
-    """Steps 2 and 3 of [Note: the gather tree] on a block's leader: its block's blob."""
-    parts = [part] + [_recv(dist, to_global(r), group) for r in block[1:]]
-    chosen = senders(parts)
+def _lead_block(dist: Any, block: range, parts: list[dict[str, Any]], chosen: Sequence[int],
+                node: dict[str, Any], to_global: Any, group: Any) -> list[dict[str, Any]]:
+    """Step 3 of [Note: the gather tree] on a block's leader: the node probes of its ``chosen`` keys."""
+    senders = sender_positions(parts, chosen)
     for i, r in enumerate(block[1:], start=1):
-        dist.send_object_list([i in chosen], dst=to_global(r), group=group)
-    nodes = {node_key(parts[i]): node if i == 0 else _recv(dist, to_global(block[i]), group) for i in chosen}
-    return pack_block(parts, nodes)
+        dist.send_object_list([i in senders], dst=to_global(r), group=group)
+    return [node if i == 0 else _recv(dist, to_global(block[i]), group) for i in senders]
+
+
+def _gather_on_rank0(dist: Any, tree: list[range], parts0: list[dict[str, Any]], node: dict[str, Any], to_global: Any,
+                     group: Any) -> tuple[list[dict[str, Any]], dict[NodeKey, dict[str, Any]]]:
+    """Steps 2 to 4 of [Note: the gather tree] on rank 0, which leads block 0: every part and node probe."""
+    block_keys = [node_keys(parts0)] + [unpack(_recv(dist, to_global(b[0]), group)) for b in tree[1:]]
+    chosen = assign_senders(block_keys)
+    for b, block in enumerate(tree[1:], start=1):
+        dist.send_object_list([chosen[b]], dst=to_global(block[0]), group=group)
+    got = [(parts0, _lead_block(dist, tree[0], parts0, chosen[0], node, to_global, group))]
+    got += [unpack(_recv(dist, to_global(block[0]), group)) for block in tree[1:]]
+    nodes = {block_keys[b][k]: probe for b, (_, probes) in enumerate(got) for k, probe in zip(chosen[b], probes)}
+    return [p for parts, _ in got for p in parts], nodes
 
 
 def gather_summary(rank_probe: RankProbe, group: Any = None, *, ranks_per_block: int | None = None) -> ClusterView:
@@ -163,23 +209,25 @@ def gather_with(dist: Any, rank_probe: RankProbe, group: Any, ranks_per_block: i
     to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     block = tree[me // len(tree[0])]
     part, node = rank_part(rank_probe), rank_probe.node.to_dict()
-    blob = b""
+    summary: list[Any] = [None]
     if me != block[0]:
         dist.send_object_list([part], dst=to_global(block[0]), group=group)
         if _recv(dist, to_global(block[0]), group):
             dist.send_object_list([node], dst=to_global(block[0]), group=group)
     else:
-        blob = _lead_block(dist, block, part, node, to_global, group)
+        parts = [part] + [_recv(dist, to_global(r), group) for r in block[1:]]
         if me != 0:
-            dist.send_object_list([blob], dst=to_global(0), group=group)
-    summary: list[Any] = [None]
-    if me == 0:
-        blobs = [blob] + [_recv(dist, to_global(b[0]), group) for b in tree[1:]]
-        try:
-            summary[0] = ("view", encode_view(view_from_blocks(blobs)))
-        except ValueError as err:  # raised on every rank alike, as when each rank assembled the view
-            summary[0] = ("error", str(err))
-        logger.debug("cluster view: %d blocks of up to %d ranks", len(tree), len(tree[0]))
+            dist.send_object_list([pack(node_keys(parts))], dst=to_global(0), group=group)
+            chosen = _recv(dist, to_global(0), group)
+            nodes = _lead_block(dist, block, parts, chosen, node, to_global, group)
+            dist.send_object_list([pack((parts, nodes))], dst=to_global(0), group=group)
+        else:
+            parts, nodes = _gather_on_rank0(dist, tree, parts, node, to_global, group)
+            try:
+                summary[0] = ("view", encode_view(view_from_parts(parts, nodes)))
+            except ValueError as err:  # raised on every rank alike, as when each rank assembled the view
+                summary[0] = ("error", str(err))
+            logger.debug("cluster view: %d blocks of up to %d ranks", len(tree), len(tree[0]))
     dist.broadcast_object_list(summary, src=to_global(0), group=group)
     kind, payload = summary[0]
     if kind == "error":

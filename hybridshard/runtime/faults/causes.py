@@ -7,15 +7,15 @@ that fails first takes that process down, its peers' failing collectives cannot 
 more, and could only say that the store is gone. So a cause is published twice: under
 ``hybridshard/raised/<rank>`` as before, and as the next entry of a numbered list
 (``hybridshard/causes`` counts them, ``hybridshard/cause/<n>`` holds one). Every rank's watchdog
-reads the counter (one store op) on each poll while the main thread has been blocked in a
-collective, or a collective of the runtime in flight, for :data:`WATCH_AFTER` seconds: exactly when a
-peer's failure leaves it waiting, never on a step whose collectives return quickly. It keeps every
-new cause it finds and acknowledges it under ``hybridshard/cause/<n>/seen``. A process dying of an
-uncaught exception waits, after publishing, until every other rank acknowledged it (or published a
-cause of its own: it is dying too) or :func:`wait_seconds` passed (``HYBRIDSHARD_CAUSE_WAIT``, 5 by
-default), so that its peers, blocked on it, have read it before its exit takes the store away. The
-failing collectives, and the check of a stuck one, then name the kept cause when the store cannot
-be reached.
+reads the counter (one store op) every :func:`poll_every` seconds while the main thread has been
+blocked in a collective, or a collective of the runtime in flight, for :data:`WATCH_AFTER` seconds:
+exactly when a peer's failure leaves it waiting, never on a step whose collectives return quickly.
+It keeps every new cause it finds and acknowledges it under ``hybridshard/cause/<n>/seen``. A
+process dying of an uncaught exception waits, after publishing, until every other rank acknowledged
+it (or published a cause of its own: it is dying too) or :func:`wait_seconds` passed
+(``HYBRIDSHARD_CAUSE_WAIT``, 5 by default), so that its peers, blocked on it, have read it before its
+exit takes the store away. The failing collectives, and the check of a stuck one, then name the kept
+cause when the store cannot be reached.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ import time
 from typing import Any
 
 from hybridshard.runtime.faults import peers
+from hybridshard.runtime.faults.rank_state import current
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WATCH_AFTER", "kept", "poll", "poll_if_waiting", "publish", "wait_seconds", "wait_until_seen"]
+__all__ = ["WATCH_AFTER", "kept", "poll", "poll_every", "poll_if_waiting", "publish", "wait_seconds", "wait_until_seen"]
 
 WATCH_AFTER = 1.0
 """Seconds the main thread must have waited on a collective before the watchdog reads the causes."""
@@ -47,6 +48,12 @@ def wait_seconds() -> float:
         return float(os.environ.get("HYBRIDSHARD_CAUSE_WAIT", "5"))
     except ValueError:
         return 5.0
+
+
+def poll_every() -> float:
+    """Seconds between two readings of the counter: 2, well inside :func:`wait_seconds` (a dying rank
+    waits that long for its peers to read its cause), less when that wait is set below 5 s."""
+    return min(2.0, wait_seconds() / 2.5)
 
 
 def publish(text: str) -> None:
@@ -86,11 +93,14 @@ def poll() -> None:
 
 def poll_if_waiting(state: Any, pending: list[Any]) -> None:
     """:func:`poll` when the main thread (``state``: :class:`hybridshard.runtime.trace.entry_points.Blocked`)
-    or the runtime's oldest collective in flight (``pending``) has waited :data:`WATCH_AFTER` seconds."""
+    or the runtime's oldest collective in flight (``pending``) has waited :data:`WATCH_AFTER` seconds,
+    at most once every :func:`poll_every` seconds."""
     waited = time.time() - state.since if state is not None and state.blocked else 0.0
     if pending:
         waited = max(waited, time.monotonic() - pending[0].started)
-    if waited >= WATCH_AFTER:
+    plane, now = current(), time.monotonic()
+    if waited >= WATCH_AFTER and now - plane.causes_polled >= poll_every():
+        plane.causes_polled = now
         poll()
 
 

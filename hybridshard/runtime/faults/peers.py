@@ -29,11 +29,14 @@ from hybridshard.runtime.faults.rank_state import current
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REPORT_SECONDS", "Report", "ask_everyone", "beat", "exchange", "identity", "publish", "published", "ranks_text", "runs",
+__all__ = ["FIRST_READ", "REPORT_SECONDS", "Report", "ask_everyone", "beat", "exchange", "identity", "publish", "published", "ranks_text", "runs",
            "store", "table"]
 
 REPORT_SECONDS = 3.0
 """How long a rank's heartbeat may stand still before it is named lost."""
+FIRST_READ = 1.25
+"""Seconds from an ask's first reading to its second: a beat a second and a margin, so that one
+reading finds every live rank's counter moved (an earlier one finds a fraction and costs a store op)."""
 _FINAL = ("raised", "failed", "done")
 
 
@@ -239,7 +242,7 @@ def ask_everyone(mine: dict[str, Any], seconds: float = REPORT_SECONDS,
         seen = _read(s, list(range(world)))
         first = {r: _count(v) for r, v in seen.items()}
         waiting = [r for r in range(world) if r != me and not (r in seen and _is_final(seen[r]))]
-        start, poll = time.monotonic(), 0.25
+        start, poll = time.monotonic(), FIRST_READ
         next_read = start + poll
         while waiting and time.monotonic() < start + seconds:
             if while_waiting is not None:
@@ -247,11 +250,11 @@ def ask_everyone(mine: dict[str, Any], seconds: float = REPORT_SECONDS,
             # [Note: few wake-ups] a sleeper per rank at 20 Hz is 20 W wake-ups a second on a shared host;
             # sleeping to the next read (at most 0.25 s, the beats' pace) keeps them few.
             time.sleep(max(0.01, min(0.25, min(next_read, start + seconds) - time.monotonic())))
-            if time.monotonic() >= min(next_read, start + seconds):  # backoff: 0.25, 0.75, 1.75, 3.75 s ...
+            if time.monotonic() >= min(next_read, start + seconds):  # backoff: 1.25, 3.75, 8.75 s ..., the deadline
                 now = _read(s, waiting, seen)
                 seen.update(now)
                 waiting = [r for r in waiting if r not in now or (r in first and _count(now[r]) == first[r])]
-                poll = min(2 * poll, 4.0)
+                poll = min(2 * poll, 5.0)
                 next_read = time.monotonic() + poll
     except Exception:  # noqa: BLE001 - a lost store leaves the names out, not the error
         logger.debug("could not read the other ranks' heartbeats", exc_info=True)

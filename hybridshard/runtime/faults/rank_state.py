@@ -42,6 +42,9 @@ class ControlPlane:
         self.last_beat = 0.0
         self.final: dict[str, Any] | None = None
         """What this rank published last (raised, failed, done): its heartbeat says only that from then on."""
+        self.causes_polled = float("-inf")
+        """When the watchdog last read the count of causes (see [Note: keeping the causes] in
+        :mod:`hybridshard.runtime.faults.causes`)."""
         self.override: dict[str, Any] | None = None
         """This rank's own answer while it asks (a failed collective, its exit)."""
         self.raised = False

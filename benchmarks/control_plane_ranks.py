@@ -1,0 +1,265 @@
+"""The fault phases of the control-plane harness (``control_plane_scale.py``): W ranks as threads of
+one process, one real TCPStore, the project's real heartbeat, watchdog and fault-check code.
+
+What runs for real, per simulated rank: its own :class:`~hybridshard.runtime.faults.rank_state.ControlPlane`
+with its own TCPStore client (libuv server, one per W), its watchdog thread (heartbeats, the fault
+check of :mod:`hybridshard.runtime.faults`, the hang report) and the registry of collectives in
+flight. What is simulated: a collective is a registered entry, never a transfer (no model compute, no
+process group); a rank's death is its watchdog thread stopping with its store connection left open,
+as a frozen process's (threads cannot be SIGKILLed, and a SIGKILL'd process on gloo fails its peers'
+collectives at once, the easy case); rank 0's checkpoint stall is rank 0 outside any collective
+while every other rank's collective waits on it.
+
+Timing under the GIL on 2 cores measures the harness too. Store operations and bytes are counted
+exactly (a counting wrapper around each rank's client); times are wall clock, and each phase reports
+``lag_ms``: how late a thread that sleeps 50 ms wakes, worst case over the phase, the delay every
+simulated rank's thread saw on top of the control plane's own time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from hybridshard.runtime.faults import peers, watchdog
+from hybridshard.runtime.faults.rank_state import ControlPlane, bound
+
+STALL_FACTOR = 1.5
+"""The stall is 90 s against the default HYBRIDSHARD_FAULT_SECONDS of 60: scaled alike."""
+
+
+class CountingStore:
+    """A store client that counts its operations and bytes (exact, whatever the timing)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.ops, self.reads, self.sent, self.received = inner, 0, 0, 0, 0
+        self.frozen = False
+        """A killed rank's: its writes never happen, its reads fail (so its threads stop at once)."""
+
+    def _alive(self) -> None:
+        if self.frozen:
+            raise RuntimeError("this simulated rank was killed")
+
+    def set(self, key: str, value: bytes) -> None:
+        self._alive()
+        self.ops += 1
+        self.sent += len(key) + len(value)
+        self.inner.set(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        self._alive()
+        self.ops += 1
+        self.reads += 1
+        self.sent += sum(map(len, keys))
+        return self.inner.check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._alive()
+        values = self.inner.multi_get(keys)
+        self.ops += 1
+        self.reads += 1
+        self.sent += sum(map(len, keys))
+        self.received += sum(map(len, values))
+        return values
+
+    def get(self, key: str) -> bytes:
+        self._alive()
+        value = self.inner.get(key)
+        self.ops += 1
+        self.reads += 1
+        self.sent += len(key)
+        self.received += len(value)
+        return value
+
+    def add(self, key: str, n: int) -> int:
+        self._alive()
+        self.ops += 1
+        self.reads += 1
+        self.sent += len(key) + 8
+        self.received += 8
+        return self.inner.add(key, n)
+
+
+class Lag:
+    """How late a sleeping thread wakes: the harness's own share of every timing (GIL, 2 cores)."""
+
+    def __init__(self) -> None:
+        self.worst, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic()
+            time.sleep(0.05)
+            self.worst = max(self.worst, time.monotonic() - t - 0.05)
+
+    def reset(self) -> float:
+        worst, self.worst = self.worst, 0.0
+        return worst
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Job:
+    """W ranks: one plane, one store client and one watchdog thread each."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=60))
+        self.stopped: dict[int, tuple[float, str]] = {}
+        # [Note: connecting in parallel] A client's connect now and then takes 5 s here (a retried SYN,
+        # seen with either server): thousands of them one after another would take many minutes.
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            clients = list(pool.map(lambda _: dist.TCPStore("127.0.0.1", self.server.port, is_master=False,
+                                                            use_libuv=True, timeout=timedelta(seconds=60)),
+                                    range(world)))
+        self.planes: list[ControlPlane] = []
+        for rank, client in enumerate(clients):
+            plane = ControlPlane(CountingStore(client), rank, world)
+            plane.is_ready = lambda: True
+            plane.on_stop = self._on_stop(rank, plane)
+            self.planes.append(plane)
+
+    def _on_stop(self, rank: int, plane: ControlPlane) -> Any:
+        def stop(status: int) -> None:  # what errors.stop_now does to a process: its report is its last word
+            text = (plane.final or {}).get("text", "")
+            self.stopped[rank] = (time.monotonic(), text)
+            plane.stop.set()
+        return stop
+
+    def start(self) -> None:
+        for plane in self.planes:
+            with bound(plane):
+                watchdog.start()
+
+    def counts(self) -> tuple[int, int, int]:
+        stores = [p.found["store"] for p in self.planes]
+        return sum(s.ops for s in stores), sum(s.reads for s in stores), sum(s.sent + s.received for s in stores)
+
+    def begin_all(self, ranks: range) -> dict[int, int]:
+        tokens = {}
+        for r in ranks:
+            with bound(self.planes[r]):
+                tokens[r] = watchdog.begin("all_reduce", "world", range(self.world), 1 << 20)
+        return tokens
+
+    def end_all(self, tokens: dict[int, int]) -> None:
+        for r, token in tokens.items():
+            with bound(self.planes[r]):
+                watchdog.end(token)
+
+    def close(self) -> None:
+        for plane in self.planes:
+            plane.stop.set()
+        for plane in self.planes:
+            if plane.thread is not None:
+                plane.thread.join(timeout=10)
+
+
+def _set_limits(fault_s: float | None) -> None:
+    if fault_s is None:
+        os.environ.pop("HYBRIDSHARD_FAULT_SECONDS", None)
+        os.environ.pop("HYBRIDSHARD_HANG_SECONDS", None)
+    else:
+        os.environ["HYBRIDSHARD_FAULT_SECONDS"] = str(fault_s)
+        os.environ["HYBRIDSHARD_HANG_SECONDS"] = str(5 * fault_s)  # 300 s against 60 s, scaled alike
+
+
+def healthy(job: Job, seconds: float, lag: Lag) -> dict[str, float]:
+    """Steps of a healthy job: every rank in collectives of half a second, one after the other, nobody
+    stuck. The heartbeats are then the only store traffic; a rank that has waited in one collective for
+    a second or more also reads the count of kept causes once a poll (see [Note: keeping the causes]
+    in :mod:`hybridshard.runtime.faults.causes`), which a stall phase shows, not this one."""
+    _set_limits(None)
+    ops0, _, bytes0 = job.counts()
+    lag.reset()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        tokens = job.begin_all(range(job.world))
+        time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+        job.end_all(tokens)
+    ops1, _, bytes1 = job.counts()
+    per = job.world * seconds
+    return {"store_ops_per_rank_per_s": (ops1 - ops0) / per, "store_bytes_per_rank_per_s": (bytes1 - bytes0) / per,
+            "healthy_lag_ms": 1e3 * lag.reset()}
+
+
+def stall(job: Job, fault_s: float, lag: Lag) -> dict[str, float]:
+    """Rank 0 outside any collective for STALL_FACTOR x the fault limit, every other rank waiting on it."""
+    _set_limits(fault_s)
+    tokens = job.begin_all(range(1, job.world))
+    ops0, reads0, bytes0 = job.counts()
+    lag.reset()
+    time.sleep(STALL_FACTOR * fault_s)
+    deadline = time.monotonic() + 60  # checks that began still finish (the harness may be late)
+    while time.monotonic() < deadline and any(p.override is not None for p in job.planes):
+        time.sleep(0.1)
+    checks = sum(1 for p in job.planes for e in list(p.in_flight.values()) if e.checked)
+    job.end_all(tokens)
+    ops1, reads1, bytes1 = job.counts()
+    checks = max(checks, 1)
+    return {"false_reports": len(job.stopped), "stall_checks": checks,
+            "store_ops_per_check_per_rank": (reads1 - reads0) / checks + 1,  # + the ask's own heartbeat
+            "store_bytes_per_check_per_rank": (bytes1 - bytes0) / checks, "stall_lag_ms": 1e3 * lag.reset(),
+            "stall_total_ops": ops1 - ops0}
+
+
+def detect(job: Job, fault_s: float, lag: Lag, victim: int) -> dict[str, float]:
+    """Every rank in a collective; the victim's threads stop at t0. Time until every survivor named it."""
+    _set_limits(fault_s)
+    job.stopped.clear()
+    tokens = job.begin_all(range(job.world))
+    t0 = time.monotonic()
+    job.planes[victim].found["store"].frozen = True
+    job.planes[victim].stop.set()
+    lag.reset()
+    survivors = [r for r in range(job.world) if r != victim]
+    deadline = t0 + fault_s + 8 * peers.REPORT_SECONDS + 60
+    while time.monotonic() < deadline and len(job.stopped) < len(survivors):
+        time.sleep(0.1)
+    named = re.compile(rf"\brank {victim} was lost|\branks [0-9, ]*\b{victim}\b[0-9, ]* were lost")
+    right = [r for r in survivors if r in job.stopped and named.search(job.stopped[r][1])]
+    last = max((job.stopped[r][0] for r in right), default=float("nan"))
+    job.end_all(tokens)
+    wrong = sorted({job.stopped[r][1].split(": ", 1)[-1][:120] for r in survivors if r in job.stopped and r not in right})
+    for text in wrong[:3]:
+        print(f"W={job.world}: a survivor did not name rank {victim} alone: {text}")
+    return {"detected": len(right), "survivors": len(survivors), "reported": len(job.stopped), "detect_s": last - t0,
+            "detect_after_check_s": last - t0 - fault_s, "detect_lag_ms": 1e3 * lag.reset()}
+
+
+def fault_phases(world: int, fault_s: float, healthy_s: float) -> dict[str, Any]:
+    """A healthy job, a stall of rank 0, a death: the figures of each, for W thread ranks."""
+    out: dict[str, Any] = {}
+    lag = Lag()
+    t = time.monotonic()
+    job = Job(world)
+    job.start()
+    out["start_s"] = time.monotonic() - t
+    # The phases set the fault limits in os.environ; a caller's own (a test run in the same process,
+    # whose later subprocesses inherit them) are put back after.
+    saved = {k: os.environ.get(k) for k in ("HYBRIDSHARD_FAULT_SECONDS", "HYBRIDSHARD_HANG_SECONDS")}
+    try:
+        time.sleep(2.0)  # every rank beat once
+        out.update(healthy(job, healthy_s, lag))
+        out.update(stall(job, fault_s, lag))
+        out.update(detect(job, fault_s, lag, victim=world // 2 + 1))
+    finally:
+        job.close()
+        lag.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return out
