@@ -215,6 +215,18 @@ def test_a_bad_job_raises_the_same_error_on_every_rank():
     assert "expected one probe for each rank 0..31 with world size 32" in str(outcomes[0])
 
 
+def test_an_unexpected_failure_on_rank0_reaches_every_rank(monkeypatch):
+    """Not only a ValueError: any failure assembling the view is sent, so no rank waits for a view
+    that never comes (a process-group timeout later)."""
+    def broken(parts, nodes):
+        raise KeyError("gpus")
+
+    monkeypatch.setattr(summary, "view_from_parts", broken)
+    outcomes, _ = run_tree(job_probes([8] * 2), 8)
+    assert all(isinstance(o, RuntimeError) for o in outcomes), outcomes
+    assert all(str(o) == "assembling the cluster view on rank 0 failed: KeyError: 'gpus'" for o in outcomes), outcomes
+
+
 def test_a_node_probe_missing_is_named():
     probes = job_probes([8] * 2)
     parts = [summary.rank_part(p) for p in probes]

@@ -11,7 +11,7 @@ had them, and the view goes to every rank pickled and zlib-compressed: the nodes
 each other but for names and GPU ids, which compression keeps and the rest it folds.
 
 [Note: the gather tree]
-Sent straight to rank 0, the parts and node probes make rank 0 receive O(W) (7.3 MB at 4,096
+Sent straight to rank 0, the parts and node probes make rank 0 receive O(W) (7.0 MB at 4,096
 ranks). :func:`gather_summary` goes through block leaders instead, with point-to-point object
 messages on the given group (creating subgroups at init would itself cost O(W)):
 
@@ -227,9 +227,13 @@ def gather_with(dist: Any, rank_probe: RankProbe, group: Any, ranks_per_block: i
                 summary[0] = ("view", encode_view(view_from_parts(parts, nodes)))
             except ValueError as err:  # raised on every rank alike, as when each rank assembled the view
                 summary[0] = ("error", str(err))
+            except Exception as err:  # noqa: BLE001 - any other failure is still sent, so no rank waits for the view
+                summary[0] = ("failure", f"assembling the cluster view on rank 0 failed: {type(err).__name__}: {err}")
             logger.debug("cluster view: %d blocks of up to %d ranks", len(tree), len(tree[0]))
     dist.broadcast_object_list(summary, src=to_global(0), group=group)
     kind, payload = summary[0]
     if kind == "error":
         raise ValueError(payload)
+    if kind == "failure":
+        raise RuntimeError(payload)
     return decode_view(payload)
