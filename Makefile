@@ -23,7 +23,7 @@ demo: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 # Every strategy, bf16 and the optimizer across replicas compiled against eager (tests/test_compile.py's
 # matrix; `make test` runs its named subset only, to keep inductor's compile time out of the suite)
