@@ -219,3 +219,25 @@ def test_a_waiting_rank_reads_the_causes_once_every_poll_every_seconds(monkeypat
         plane.causes_polled -= causes.poll_every()
         causes.poll_if_waiting(None, waiting)
         assert Store.reads == 2
+
+
+def test_fault_limits_from_the_environment_warn_once_on_a_bad_value(monkeypatch, caplog):
+    from hybridshard.runtime.faults import causes, exits, mismatch, peers, watchdog
+
+    monkeypatch.setattr(peers, "_WARNED", set())
+    for name, read, default in [("HYBRIDSHARD_FAULT_SECONDS", watchdog.fault_seconds, 60.0),
+                                ("HYBRIDSHARD_HANG_SECONDS", watchdog.hang_seconds, 300.0),
+                                ("HYBRIDSHARD_MISMATCH_SECONDS", mismatch.mismatch_seconds, 30.0),
+                                ("HYBRIDSHARD_CAUSE_WAIT", causes.wait_seconds, 5.0),
+                                ("HYBRIDSHARD_EXIT_WAIT", exits.exit_wait_seconds, 10.0)]:
+        monkeypatch.delenv(name, raising=False)
+        assert read() == default, name
+        monkeypatch.setenv(name, "2.5")
+        assert read() == 2.5, name
+        monkeypatch.setenv(name, "1m")
+        with caplog.at_level("WARNING", logger="hybridshard.runtime.faults.peers"):
+            caplog.clear()
+            assert read() == default and read() == default, name
+        assert [r.getMessage() for r in caplog.records] == [
+            f"expected {name} to be a number of seconds, found '1m'; using {default:g}: set it to a number "
+            "(0 turns the check off where that is documented) or unset it"], name

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -44,10 +43,7 @@ _STATE = {"read": 0, "published": 0, "last": ""}
 
 
 def wait_seconds() -> float:
-    try:
-        return float(os.environ.get("HYBRIDSHARD_CAUSE_WAIT", "5"))
-    except ValueError:
-        return 5.0
+    return peers.env_seconds("HYBRIDSHARD_CAUSE_WAIT", 5.0)
 
 
 def poll_every() -> float:

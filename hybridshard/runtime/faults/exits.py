@@ -20,7 +20,6 @@ file for the launcher's summary ([Note: run directory] in :mod:`hybridshard.laun
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
@@ -40,10 +39,7 @@ _INSTALLED: dict[str, Any] = {}
 
 
 def exit_wait_seconds() -> float:
-    try:
-        return float(os.environ.get("HYBRIDSHARD_EXIT_WAIT", "10"))
-    except ValueError:
-        return 10.0
+    return peers.env_seconds("HYBRIDSHARD_EXIT_WAIT", 10.0)
 
 
 def install() -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from typing import Any
 
@@ -44,10 +43,7 @@ _VOTES = "hybridshard/mismatch"
 
 def mismatch_seconds() -> float:
     """How long every rank must be blocked before a mismatch is named (``HYBRIDSHARD_MISMATCH_SECONDS``)."""
-    try:
-        return float(os.environ.get("HYBRIDSHARD_MISMATCH_SECONDS", _DEFAULT_SECONDS))
-    except ValueError:
-        return _DEFAULT_SECONDS
+    return peers.env_seconds("HYBRIDSHARD_MISMATCH_SECONDS", _DEFAULT_SECONDS)
 
 
 def publish_seconds() -> float:

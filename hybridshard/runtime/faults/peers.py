@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,7 +30,26 @@ from hybridshard.runtime.faults.rank_state import current
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FIRST_READ", "REPORT_SECONDS", "Report", "ask_everyone", "beat", "exchange", "identity", "publish", "published", "ranks_text", "runs",
+_WARNED: set[str] = set()
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A number of seconds from the environment variable ``name``, ``default`` when unset. A value that
+    is not a number is logged once (expected, found, fix) and ``default`` used: the watchdog thread
+    reads these, and an exception there would end the fault checks silently."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        if name not in _WARNED:
+            _WARNED.add(name)
+            logger.warning("expected %s to be a number of seconds, found %r; using %g: set it to a number "
+                           "(0 turns the check off where that is documented) or unset it", name, raw, default)
+        return default
+
+__all__ = ["FIRST_READ", "env_seconds", "REPORT_SECONDS", "Report", "ask_everyone", "beat", "exchange", "identity", "publish", "published", "ranks_text", "runs",
            "store", "table"]
 
 REPORT_SECONDS = 3.0

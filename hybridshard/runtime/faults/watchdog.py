@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -42,22 +41,15 @@ _DEFAULT_HANG_SECONDS = 300.0
 _DEFAULT_FAULT_SECONDS = 60.0
 
 
-def _seconds(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
 def hang_seconds() -> float:
     """Seconds a collective may stay in flight before the hang report (``HYBRIDSHARD_HANG_SECONDS``)."""
-    return _seconds("HYBRIDSHARD_HANG_SECONDS", _DEFAULT_HANG_SECONDS)
+    return peers.env_seconds("HYBRIDSHARD_HANG_SECONDS", _DEFAULT_HANG_SECONDS)
 
 
 def fault_seconds() -> float:
     """Seconds a collective may stay in flight before its group's ranks are checked for a lost one
     (``HYBRIDSHARD_FAULT_SECONDS``; 0 or less: never)."""
-    return _seconds("HYBRIDSHARD_FAULT_SECONDS", _DEFAULT_FAULT_SECONDS)
+    return peers.env_seconds("HYBRIDSHARD_FAULT_SECONDS", _DEFAULT_FAULT_SECONDS)
 
 
 @dataclass
