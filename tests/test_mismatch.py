@@ -179,12 +179,45 @@ def test_stuck_collective_names_a_kept_cause_when_the_store_is_gone(monkeypatch)
     monkeypatch.setattr(peers, "store", lambda: None)
     monkeypatch.setattr(peers, "identity", lambda: (2, 4))
     assert errors.peers_gone("all_reduce", "replicate", [0, 2], "step 3", 61.0, {}) is None  # nothing kept
-    monkeypatch.setattr(causes, "_KEPT", {0: "rank 0 raised ValueError: a bad batch on rank 0"})
+    from hybridshard.runtime.faults.rank_state import current
+
+    monkeypatch.setattr(current(), "causes", {"kept": {0: "rank 0 raised ValueError: a bad batch on rank 0"}})
     message = errors.peers_gone("all_reduce", "replicate", [0, 2], "step 3", 61.0, {})
     assert message.splitlines()[0] == ("rank 0 raised ValueError: a bad batch on rank 0; so all_reduce on the "
                                        "replicate group (ranks [0, 2]) cannot complete on rank 2 (step 3) (kept by "
                                        "this rank: the job's store could not be reached after that)."), message
     assert errors.peers_gone("all_reduce", "replicate", [1, 2], "step 3", 61.0, {}) is None  # rank 0 not in the group
+
+
+def test_each_rank_keeps_its_own_causes_and_a_new_store_starts_a_new_list():
+    """Per rank (the scale harness runs ranks as threads of one process) and per store (a pooled test
+    process runs one job after another): one rank reading a cause does not read it for another, and a
+    new job's first cause is read although the last job had more."""
+    import json
+
+    from hybridshard.runtime.faults import causes
+    from hybridshard.runtime.faults.rank_state import ControlPlane, bound
+
+    def store_with(n_causes):
+        s = __import__("torch").distributed.HashStore()
+        for k in range(1, n_causes + 1):
+            s.add("hybridshard/causes", 1)
+            s.set(f"hybridshard/cause/{k}", json.dumps({"rank": 0, "text": f"cause {k}"}).encode())
+        return s
+
+    first = store_with(3)
+    planes = [ControlPlane(first, rank, 4) for rank in (1, 2)]
+    for plane in planes:
+        with bound(plane):
+            causes.poll()
+            assert causes.kept() == {0: "cause 1"}
+    assert int(first.add("hybridshard/cause/1/seen", 0)) == 2  # each rank acknowledged it
+    second = store_with(1)
+    planes[0].found["store"] = second
+    second.set("hybridshard/cause/1", json.dumps({"rank": 3, "text": "new job"}).encode())
+    with bound(planes[0]):
+        causes.poll()
+        assert causes.kept() == {3: "new job"}
 
 
 def test_a_waiting_rank_reads_the_causes_once_every_poll_every_seconds(monkeypatch):

@@ -38,8 +38,17 @@ WATCH_AFTER = 1.0
 _COUNT = "hybridshard/causes"
 _CAUSE = "hybridshard/cause/{}"
 _LOCK = threading.Lock()
-_KEPT: dict[int, str] = {}
-_STATE = {"read": 0, "published": 0, "last": ""}
+
+
+def state(s: Any) -> dict[str, Any]:
+    """This rank's causes for the store ``s``: what it kept (``kept``: rank -> text), the last entry
+    it read, the entry it published and that entry's text; fresh for a new store (a new job in the
+    same process starts its list at 0)."""
+    plane = current()
+    with _LOCK:
+        if plane.causes.get("store") is not s and s is not None:
+            plane.causes = {"store": s, "kept": {}, "read": 0, "published": 0, "last": ""}
+        return plane.causes
 
 
 def wait_seconds() -> float:
@@ -55,13 +64,13 @@ def poll_every() -> float:
 def publish(text: str) -> None:
     """Publish this rank's cause ``text`` (``rank R raised ...``) where it is kept (see the note)."""
     s = peers.store()
-    if s is None or text == _STATE["last"]:
+    if s is None or text == state(s)["last"]:
         return
-    me = peers.identity()[0]
+    me, mine = peers.identity()[0], state(s)
     try:
         n = int(s.add(_COUNT, 1))
         s.set(_CAUSE.format(n), json.dumps({"rank": me, "text": text}).encode())
-        _STATE["published"], _STATE["last"] = n, text
+        mine["published"], mine["last"] = n, text
     except Exception:  # noqa: BLE001 - the store may be gone too; the local error still stands
         logger.debug("could not publish the cause", exc_info=True)
 
@@ -71,18 +80,18 @@ def poll() -> None:
     s = peers.store()
     if s is None:
         return
-    me = peers.identity()[0]
+    me, mine = peers.identity()[0], state(s)
     try:
         n = int(s.add(_COUNT, 0))
-        for k in range(_STATE["read"] + 1, n + 1):
+        for k in range(mine["read"] + 1, n + 1):
             if not s.check([_CAUSE.format(k)]):
                 break  # counted, not yet written: read at the next poll
             cause = json.loads(s.get(_CAUSE.format(k)).decode())
             if cause["rank"] != me:
                 with _LOCK:
-                    _KEPT.setdefault(int(cause["rank"]), cause["text"])
+                    mine["kept"].setdefault(int(cause["rank"]), cause["text"])
                 s.add(f"{_CAUSE.format(k)}/seen", 1)
-            _STATE["read"] = k
+            mine["read"] = k
     except Exception:  # noqa: BLE001 - the store may be gone: what was kept stays
         logger.debug("could not read the causes", exc_info=True)
 
@@ -103,13 +112,13 @@ def poll_if_waiting(state: Any, pending: list[Any]) -> None:
 def kept() -> dict[int, str]:
     """The other ranks' causes this rank has read, by rank."""
     with _LOCK:
-        return dict(_KEPT)
+        return dict(current().causes.get("kept", {}))
 
 
 def wait_until_seen() -> None:
     """After :func:`publish`, before the process exits: wait until every other rank kept the cause."""
-    n, (_, world) = _STATE["published"], peers.identity()
     s = peers.store()
+    n, (_, world) = current().causes.get("published", 0), peers.identity()
     if not n or s is None or world == 1:
         return
     deadline = time.monotonic() + wait_seconds()

@@ -45,6 +45,9 @@ class ControlPlane:
         self.causes_polled = float("-inf")
         """When the watchdog last read the count of causes (see [Note: keeping the causes] in
         :mod:`hybridshard.runtime.faults.causes`)."""
+        self.causes: dict[str, Any] = {}
+        """The causes this rank kept and its place in the store's list of them, for one store
+        (:func:`hybridshard.runtime.faults.causes.state`)."""
         self.override: dict[str, Any] | None = None
         """This rank's own answer while it asks (a failed collective, its exit)."""
         self.raised = False
