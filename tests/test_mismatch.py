@@ -93,16 +93,36 @@ def test_first_failing_rank_that_hosts_the_store_is_still_named():
 
 
 class _Store:
-    """A dict with the calls of a c10d store that the mismatch check makes."""
+    """A dict with the calls of a c10d store that the mismatch check makes, counted by name."""
 
     def __init__(self, records: dict[int, dict]) -> None:
         self.data = {f"hybridshard/blocked/{r}": json.dumps(v).encode() for r, v in records.items()}
+        self.data["hybridshard/blocked"] = len(records)  # the count of published records
+        self.ops: dict[str, int] = {}
+
+    def _op(self, name):
+        self.ops[name] = self.ops.get(name, 0) + 1
 
     def check(self, keys):
+        self._op("check")
         return all(k in self.data for k in keys)
 
     def multi_get(self, keys):
+        self._op("multi_get")
         return [self.data[k] for k in keys]
+
+    def get(self, key):
+        self._op("get")
+        return self.data[key]
+
+    def set(self, key, value):
+        self._op("set")
+        self.data[key] = value
+
+    def add(self, key, n):
+        self._op("add")
+        self.data[key] = self.data.get(key, 0) + n
+        return self.data[key]
 
 
 def _record(entry, call="barrier", at="train.py:9 (main)", age=10.0):
@@ -130,11 +150,40 @@ def test_mismatch_needs_every_rank_blocked_in_different_calls(monkeypatch, recor
     stopped = []
     monkeypatch.setattr(mismatch.MismatchWatch, "_stop", lambda self, s, me, world, recs, limit: stopped.append(recs))
     watch = mismatch.MismatchWatch()
-    store = _Store(_now(records))
+    records = _now(records)
+    watch._published = records[0]["since"]  # rank 0's own record, as its poll published it
+    store = _Store(records)
     watch._check(store, 0, 2 if len(records) < 4 else 4, 5.0)
     assert not stopped  # the first reading is only confirmed by the next one
     watch._check(store, 0, 2 if len(records) < 4 else 4, 5.0)
     assert bool(stopped) == stops, records
+
+
+def test_only_rank0_reads_every_record_and_a_rank_that_moved_on_never_votes(monkeypatch):
+    """W ranks waiting cost the store O(W) per check, not O(W^2): the others read the count and
+    rank 0's verdict; a rank whose own record changed since the verdict does not stop."""
+    from hybridshard.runtime.faults import mismatch
+
+    stopped = []
+    monkeypatch.setattr(mismatch.MismatchWatch, "_stop", lambda self, s, me, world, recs, limit: stopped.append(me))
+    records = _now({0: _record([["full_state_dict", 3]]), 1: _record([]), 2: _record([]), 3: _record([])})
+    store = _Store(records)
+    watches = {}
+    for me in (1, 2, 3, 0, 0, 1, 2, 3):  # rank 0 confirms at its second reading and writes the verdict
+        watch = watches.setdefault(me, mismatch.MismatchWatch())
+        watch._published = records[me]["since"]
+        watch._check(store, me, 4, 5.0)
+    assert stopped == [0, 1, 2, 3]
+    assert store.ops["multi_get"] == 2  # rank 0's two readings; the others read one key
+    stopped.clear()
+    moved = mismatch.MismatchWatch()
+    moved._published = records[2]["since"] + 1.0  # rank 2 has been blocked somewhere else since
+    moved._check(store, 2, 4, 5.0)
+    assert stopped == []
+    store.data["hybridshard/blocked"] = 3  # one rank cleared its record: nobody reads anything more
+    before = dict(store.ops)
+    watches[0]._check(store, 0, 4, 5.0)
+    assert store.ops["add"] == before["add"] + 1 and store.ops.get("multi_get") == before["multi_get"]
 
 
 def test_mismatch_message_names_both_calls():

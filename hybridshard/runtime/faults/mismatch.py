@@ -2,23 +2,23 @@
 
 [Note: entry point on some ranks only]
 ``if rank == 0: hs.full_state_dict(model)`` then ``dist.barrier()`` leaves every rank blocked, each
-in a different collective, until the timeout; every rank is alive, so the fault check ([Note: a
-stuck collective with a lost peer] in :mod:`hybridshard.runtime.faults.errors`) finds nothing. So
-the watchdog thread follows the main thread ([Note: blocked in a collective] in
+in a different collective, until the timeout; every rank is alive, so the fault check finds nothing.
+So the watchdog thread follows the main thread ([Note: blocked in a collective] in
 :mod:`hybridshard.runtime.trace.entry_points`), and
 
-- once it is blocked for :func:`publish_seconds` (a few seconds), publishes a small record under
-  ``hybridshard/blocked/<rank>`` (entry points with sequence numbers, collective, user's file and
-  line, since when), and ``{"blocked": false}`` once it moves on: at most two writes per long wait;
+- once it is blocked for :func:`publish_seconds`, publishes a small record under
+  ``hybridshard/blocked/<rank>`` (entry points, collective, the user's line, since when) and counts
+  it; it clears both once it moves on: at most four writes per long wait;
 - once blocked for :func:`mismatch_seconds` (``HYBRIDSHARD_MISMATCH_SECONDS``, 30 by default; <= 0:
-  never), reads every record every :func:`check_every` seconds. When every rank is blocked that
-  long, some in an entry point and the others in a *different* call, and the next reading agrees,
-  the rank votes for that reading (a counter named by its digest). Once all voted, every rank logs
-  the same message (the call, who is in it, where the others are), waits until all logged it,
-  publishes that it failed and stops with status 1. A rank that moved on never votes.
+  never), reads the count every :func:`check_every` seconds. Only when every rank has a record does
+  rank 0 read them all; when all are blocked that long, some in an entry point and the others in a
+  *different* call, and its next reading agrees, it writes that reading as the verdict. Each rank
+  whose own record is still the one in the verdict votes for it; once all voted, every rank logs the
+  same message, waits until all logged it and stops with status 1. A long wait costs a rank O(1)
+  store ops per check, and the job one read of every record.
 
-A rank outside any collective (computing, stalled) has no blocked record, so a late rank is never
-reported. Blocked times are compared as ``time.time()`` across hosts: clock skew shifts the limit.
+A rank outside any collective (computing, stalled) has no record, so a late rank is never reported.
+Blocked times are compared as ``time.time()`` across hosts: clock skew shifts the limit.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import hashlib
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from hybridshard.runtime.faults import errors, peers
 from hybridshard.runtime.trace.entry_points import Blocked, MainThreadWatch
@@ -38,6 +38,9 @@ __all__ = ["MismatchWatch", "check_every", "mismatch_seconds", "publish_seconds"
 
 _DEFAULT_SECONDS = 30.0
 _KEY = "hybridshard/blocked/{}"
+_COUNT = "hybridshard/blocked"
+"""How many ranks have a blocked record published now."""
+_VERDICT = "hybridshard/mismatch/verdict"
 _VOTES = "hybridshard/mismatch"
 
 
@@ -70,12 +73,15 @@ def _identity(record: dict[str, Any]) -> tuple[str, int] | None:
 class MismatchWatch:
     """The mismatch check of one rank, run by its watchdog thread once per poll."""
 
-    def __init__(self) -> None:
+    def __init__(self, beat: Callable[[], None] = lambda: None) -> None:
         self.main = MainThreadWatch()
+        self._beat = beat
+        """This rank's heartbeat, kept while the watchdog thread waits for the votes."""
         self._published: float | None = None
         """``since`` of the blocked episode published, or ``None``."""
         self._next_check = 0.0
         self._seen: list[dict[str, Any]] | None = None
+        self._voted: set[str] = set()
 
     def poll(self, pending: list[Any]) -> Blocked | None:
         """Look at the main thread, publish or read as the note says; stops the process on a mismatch."""
@@ -92,9 +98,11 @@ class MismatchWatch:
         try:
             if self._published is not None and (not state.blocked or state.since != self._published):
                 s.set(_KEY.format(me), json.dumps({"blocked": False}).encode())
+                s.add(_COUNT, -1)
                 self._published, self._seen = None, None
             if state.blocked and self._published is None and blocked_for >= publish_seconds():
                 s.set(_KEY.format(me), json.dumps(_record(state)).encode())
+                s.add(_COUNT, 1)
                 self._published = state.since
             if self._published is not None and blocked_for >= limit and time.monotonic() >= self._next_check:
                 self._next_check = time.monotonic() + check_every()
@@ -104,36 +112,55 @@ class MismatchWatch:
         return state
 
     def _check(self, s: Any, me: int, world: int, limit: float) -> None:
+        if int(s.add(_COUNT, 0)) < world:
+            self._seen = None
+            return  # some rank has no record: it is running, so late at most
+        if me == 0:
+            found = self._read_all(s, world, limit)
+            if found is not None:
+                s.set(_VERDICT, json.dumps(found).encode())
+        if not s.check([_VERDICT]):
+            return
+        records = json.loads(s.get(_VERDICT).decode())
+        if len(records) != world or records[me].get("since") != self._published:
+            return  # a verdict of an earlier wait, or this rank moved on since it was read: no vote
+        self._stop(s, me, world, records, limit)
+
+    def _read_all(self, s: Any, world: int, limit: float) -> list[dict[str, Any]] | None:
+        """Every rank's record when they show a mismatch that the previous reading showed too."""
         keys = [_KEY.format(r) for r in range(world)]
         if not s.check(keys):
-            return  # some rank never blocked that long: it is running, so late at most
+            return None
         records = [json.loads(v.decode()) for v in s.multi_get(keys)]
         now = time.time()
         if not all(r.get("blocked") and now - r["since"] >= limit for r in records):
             self._seen = None
-            return
+            return None
         idents = [_identity(r) for r in records]
         if all(i is None for i in idents) or len(set(idents)) == 1:
             self._seen = None
-            return  # the same call everywhere (slow, or the others' business), or no entry point at all
+            return None  # the same call everywhere (slow, or the others' business), or no entry point at all
         if self._seen is None or [r["since"] for r in self._seen] != [r["since"] for r in records]:
             self._seen = records  # confirmed at the next reading: no rank moved on in between
-            return
-        self._stop(s, me, world, records, limit)
+            return None
+        return records
 
     def _stop(self, s: Any, me: int, world: int, records: list[dict[str, Any]], limit: float) -> None:
         """Stop once every rank has found the same mismatch: a rank that moved on, whose record another
         rank read before it was cleared (a starved watchdog thread), never agrees, so nobody stops."""
         reading = json.dumps([[_identity(r), r["since"]] for r in records]).encode()
         votes = f"{_VOTES}/{hashlib.sha1(reading).hexdigest()}"
-        s.add(votes, 1)
+        if votes not in self._voted:  # one vote per rank and reading, however often it is read
+            self._voted.add(votes)
+            s.add(votes, 1)
         deadline = time.monotonic() + 2 * check_every() + peers.REPORT_SECONDS
         while int(s.add(votes, 0)) < world:
             if time.monotonic() > deadline:
                 logger.debug("mismatch not confirmed by every rank; watching on")
                 self._seen = None
                 return
-            time.sleep(0.01)
+            self._beat()  # a rank waiting here is alive: its peers' fault checks must see it beat
+            time.sleep(0.1)
         message = describe(me, records, limit)
         logger.critical("%s", message)
         errors.write_error_file(errors.CollectiveError(message), consequence=False)
@@ -142,7 +169,8 @@ class MismatchWatch:
         deadline = time.monotonic() + peers.REPORT_SECONDS
         while time.monotonic() < deadline and int(s.add(f"{votes}/logged", 0)) < world:
             # Every rank logs before any leaves (its exit fails the others' collectives); then all leave at once.
-            time.sleep(0.005)
+            self._beat()
+            time.sleep(0.05)
         errors.stop_now(1)
 
 

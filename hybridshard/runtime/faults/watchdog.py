@@ -193,7 +193,7 @@ def _ready(plane: ControlPlane) -> bool:
 
 def _loop(plane: ControlPlane) -> None:
     with bound(plane):
-        main = MismatchWatch()  # see [Note: entry point on some ranks only] in hybridshard.runtime.faults.mismatch
+        main = MismatchWatch(_beat)  # see [Note: entry point on some ranks only] in hybridshard.runtime.faults.mismatch
         if _ready(plane):
             _beat()  # at once: a rank that never beat is lost to its peers
         while not plane.stop.wait(_poll_seconds()):
