@@ -323,3 +323,20 @@ def test_fault_limits_from_the_environment_warn_once_on_a_bad_value(monkeypatch,
         assert [r.getMessage() for r in caplog.records] == [
             f"expected {name} to be a number of seconds, found '1m'; using {default:g}: set it to a number "
             "(0 turns the check off where that is documented) or unset it"], name
+
+
+def test_a_rank_that_publishes_two_causes_counts_once_among_the_dying():
+    """The raising rank stops waiting when every other rank kept its cause or is dying itself: a
+    second cause from one rank must not count as a second dying rank."""
+    import torch.distributed as dist
+
+    from hybridshard.runtime.faults import causes
+    from hybridshard.runtime.faults.rank_state import ControlPlane, bound
+
+    store = dist.HashStore()
+    for rank, texts in ((1, ["rank 1 raised A", "rank 1 raised B"]), (2, ["rank 2 raised C"])):
+        with bound(ControlPlane(store, rank, 4)):
+            for text in texts:
+                causes.publish(text)
+    assert int(store.add("hybridshard/causes", 0)) == 3
+    assert int(store.add("hybridshard/causes/ranks", 0)) == 2

@@ -36,6 +36,8 @@ __all__ = ["WATCH_AFTER", "kept", "poll", "poll_every", "poll_if_waiting", "publ
 WATCH_AFTER = 1.0
 """Seconds the main thread must have waited on a collective before the watchdog reads the causes."""
 _COUNT = "hybridshard/causes"
+_DYING = "hybridshard/causes/ranks"
+"""How many distinct ranks have published a cause (each counts once, however many it publishes)."""
 _CAUSE = "hybridshard/cause/{}"
 _LOCK = threading.Lock()
 
@@ -70,6 +72,8 @@ def publish(text: str) -> None:
     try:
         n = int(s.add(_COUNT, 1))
         s.set(_CAUSE.format(n), json.dumps({"rank": me, "text": text}).encode())
+        if int(s.add(f"{_DYING}/{me}", 1)) == 1:
+            s.add(_DYING, 1)
         mine["published"], mine["last"] = n, text
     except Exception:  # noqa: BLE001 - the store may be gone too; the local error still stands
         logger.debug("could not publish the cause", exc_info=True)
@@ -125,7 +129,7 @@ def wait_until_seen() -> None:
     try:
         while time.monotonic() < deadline:
             # A rank that published a cause of its own is dying too: it reads nothing more.
-            others_dying = int(s.add(_COUNT, 0)) - 1
+            others_dying = int(s.add(_DYING, 0)) - 1
             if int(s.add(f"{_CAUSE.format(n)}/seen", 0)) + others_dying >= world - 1:
                 return
             time.sleep(0.05)
