@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 SAMPLE_S = 0.2
 """How often each rank's sampler looks at its main thread."""
@@ -258,13 +258,27 @@ class RankPool:
         self.close()
 
 
+class RankExit(NamedTuple):
+    """How one rank process of :func:`run_rank_processes` ended."""
+
+    code: int | None
+    """Exit status, or None if it was killed at the timeout."""
+    text: str
+    """Its stdout and stderr."""
+    seconds: float
+    """Seconds from the spawn of the ranks until its end was seen."""
+    ended: float
+    """``time.time()`` when its end was seen, to compare with wall-clock times the rank printed. (A start
+    the caller takes before the call would also count this process's first import of torch.distributed,
+    seconds under load, and make a rank's time after its own mark look shorter than it was.)"""
+
+
 def run_rank_processes(
     argv: list[str], world_size: int, *, num_nodes: int = 2, timeout: float = 60.0, env: dict[str, str] | None = None
-) -> list[tuple[int | None, str, float]]:
+) -> list[RankExit]:
     """Run ``python argv...`` once per rank as plain processes (``env://`` rendezvous on loopback),
     as torchrun would but without its agent killing the others when one fails: the survivors'
-    own behaviour is what a fault test looks at. Returns ``(exit code or None if killed at the
-    timeout, stdout, seconds)`` per rank."""
+    own behaviour is what a fault test looks at. Returns each rank's :class:`RankExit`."""
     # This process hosts the job's store, as torchrun's agent does, so it outlives any rank.
     with held_store() as store:
         return _run_ranks(argv, world_size, store.port, num_nodes=num_nodes, timeout=timeout, env=env)
@@ -290,7 +304,7 @@ def held_store(host: str = "127.0.0.1") -> Iterator[Any]:
 
 def _run_ranks(
     argv: list[str], world_size: int, port: int, *, num_nodes: int, timeout: float, env: dict[str, str] | None
-) -> list[tuple[int | None, str, float]]:
+) -> list[RankExit]:
     per_node = world_size // num_nodes
     procs = []
     start = time.monotonic()
@@ -303,14 +317,14 @@ def _run_ranks(
         }
         procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
-    out: list[tuple[int | None, str, float]] = []
+    out: list[RankExit] = []
     for p in procs:
         left = max(0.1, timeout - (time.monotonic() - start))
         try:
             text, _ = p.communicate(timeout=left)
-            out.append((p.returncode, text, time.monotonic() - start))
+            out.append(RankExit(p.returncode, text, time.monotonic() - start, time.time()))
         except subprocess.TimeoutExpired:
             p.kill()
             text, _ = p.communicate()
-            out.append((None, text, time.monotonic() - start))
+            out.append(RankExit(None, text, time.monotonic() - start, time.time()))
     return out

@@ -25,7 +25,7 @@ DEADLINE = 30.0
 def _run(scenario: str, env: dict[str, str] | None = None) -> dict[int, dict]:
     ranks = run_rank_processes([JOB, scenario], 4, timeout=150, env=env)  # generous: a loaded machine starts slowly
     results = {}
-    for rank, (code, text, _) in enumerate(ranks):
+    for rank, (code, text, *_) in enumerate(ranks):
         assert code is not None, f"rank {rank} hung (killed at the timeout):\n{text[-2000:]}"
         lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
         results[rank] = json.loads(lines[-1][len("RESULT "):]) if lines else {"outcome": "no result", "code": code}

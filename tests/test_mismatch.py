@@ -32,15 +32,14 @@ REPEATS = 2
 
 def _run(scenario: str, env: dict[str, str] | None = None) -> list[dict]:
     env = {"HYBRIDSHARD_MISMATCH_SECONDS": str(MISMATCH_SECONDS), **(env or {})}
-    start = time.time()
     ranks = run_rank_processes([JOB, scenario], 4, timeout=120, env=env)
     out = []
-    for rank, (code, text, seconds) in enumerate(ranks):
+    for rank, (code, text, _, ended) in enumerate(ranks):
         assert code is not None, f"rank {rank} hung (killed at the timeout):\n{text[-3000:]}"
         results = [json.loads(line[len("RESULT "):]) for line in text.splitlines() if line.startswith("RESULT ")]
         step1 = [float(line.split()[1]) for line in text.splitlines() if line.startswith("STEP1 ")]
         out.append({"code": code, "text": text, "result": results[-1] if results else None,
-                    "after_step1": start + seconds - step1[0] if step1 else None})
+                    "after_step1": ended - step1[0] if step1 else None})
     return out
 
 

@@ -23,7 +23,7 @@ BURSTS = 10
 
 def _results(out) -> list[dict]:
     results = []
-    for rank, (code, text, _) in enumerate(out):
+    for rank, (code, text, *_) in enumerate(out):
         assert code == 0, f"rank {rank} exited with {code}:\n{text[-3000:]}"
         lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
         assert lines, f"rank {rank} printed no result:\n{text[-3000:]}"
