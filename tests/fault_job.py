@@ -8,7 +8,6 @@ error then exits non-zero, as in a real job.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hybridshard as hs  # noqa: E402
 from tests import runtime_models as RM  # noqa: E402
+from tests.mp import print_result  # noqa: E402
 
 SCENARIOS = (
     "kill", "raise", "zero2_one_rank", "extra_forward", "extra_forward_debug", "extra_forward_unchecked",
@@ -141,7 +141,7 @@ def _report(outcome: str, err: BaseException | None, t0: float | None, opt, save
     record = {"rank": dist.get_rank(), "outcome": outcome, "seconds": round(seconds, 2),
               "type": type(err).__name__ if err else None, "message": str(err) if err else None,
               "weights_unchanged": unchanged}
-    print("RESULT " + json.dumps(record), flush=True)
+    print_result(record)
 
 
 if __name__ == "__main__":

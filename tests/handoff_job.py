@@ -8,7 +8,6 @@ which is the pattern [Note: tensors handed to a backend thread] describes. Print
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from datetime import timedelta
@@ -20,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybridshard.runtime.comm import collectives as C  # noqa: E402
 from hybridshard.runtime.comm import handoff  # noqa: E402
+from tests.mp import print_result  # noqa: E402
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
         else:
             C.all_reduce(extra, dist.group.WORLD, async_op=True).wait()
         del full, out, extra  # every buffer dropped while a backend thread may still hold it
-    print("RESULT " + json.dumps({"rank": dist.get_rank(), "total": total, "settled": handoff.settle(), "held": handoff.sweep()}), flush=True)
+    print_result({"rank": dist.get_rank(), "total": total, "settled": handoff.settle(), "held": handoff.sweep()})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ stopped by the watchdog prints none and exits with status 1, its message in its 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -28,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hybridshard as hs  # noqa: E402
 from tests import runtime_models as RM  # noqa: E402
+from tests.mp import print_result  # noqa: E402
 
 
 def main() -> None:
@@ -86,7 +86,7 @@ def main() -> None:
 def _report(outcome: str, err: BaseException | None, t0: float) -> None:
     record = {"rank": dist.get_rank(), "outcome": outcome, "seconds": round(time.monotonic() - t0, 2),
               "type": type(err).__name__ if err else None, "message": str(err) if err else None}
-    print("RESULT " + json.dumps(record), flush=True)
+    print_result(record)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Multi-process test harness: a pool of gloo ranks that runs many test functions.
 
-Spawning ranks costs seconds, so a test module creates one :class:`RankPool` (usually a
+Starting ranks costs seconds, so a test module creates one :class:`RankPool` (usually a
 module-scoped fixture) and runs every check through it::
 
     pool = RankPool(4, num_nodes=2, layout="block")
@@ -30,7 +30,7 @@ frame, so it stops ticking; a rank that computes, however slowly, moves. The run
 finish before the pool restarts. A hang that spins (a Python loop polling forever) keeps ticking:
 ``max_s``, a ceiling far above any healthy run, catches that (pytest-timeout's per-test limit, 300 s
 unless a test's mark says more, may come first). The sampler starts before the rank
-imports torch (this module imports it lazily), so a slow start-up counts as progress too.
+initialises its process group, so a slow start-up counts as progress too.
 """
 
 from __future__ import annotations
@@ -59,10 +59,28 @@ AFTER_FAILURE_S = 5.0
 """Seconds without progress granted to the other ranks once one rank failed."""
 
 
-def _spawn():
-    import torch.multiprocessing as mp  # lazily: the ranks start their sampler before torch loads
+PRELOAD = ["torch", "torch.distributed", "hybridshard", "tests.mp"]
+"""Imported once by the fork server that every rank of this process's pools is forked from."""
 
-    return mp.get_context("spawn")
+
+def _context():
+    """The fork-server context of [Note: ranks forked from a fork server]."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts, at the first pool
+    return ctx
+
+
+# [Note: ranks forked from a fork server]
+# A spawned rank is a fresh interpreter that imports torch and hybridshard again (about 3 s of CPU on
+# an idle core, more under load), and the suite starts over a hundred of them. The pools' ranks are
+# instead forked from multiprocessing's fork server, started once per test process, which imported
+# PRELOAD and nothing else: single-threaded, no process group, no OpenMP pool, so forking it is safe.
+# Each rank still starts from that clean state, never from the test process. What a fork server does
+# not give a rank, :class:`RankPool` gives it explicitly: the test process's environment as it is now
+# (the server's is from when it started) and the rank's own variables. Jobs that test a process's whole
+# life, exits included, run as plain processes instead (:func:`run_rank_processes`).
 
 
 def node_placement(world_size: int, num_nodes: int, layout: str) -> list[tuple[str, int]]:
@@ -101,6 +119,7 @@ def _sample_progress(ticks: Any, rank: int, main_ident: int) -> None:
 def _worker(rank: int, world_size: int, store_path: str, env: dict[str, str], tasks, results, ticks) -> None:
     threading.Thread(target=_sample_progress, args=(ticks, rank, threading.get_ident()), daemon=True,
                      name="progress-sampler").start()
+    os.environ.clear()  # the test process's environment now, not the fork server's from its start
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -124,7 +143,7 @@ def _worker(rank: int, world_size: int, store_path: str, env: dict[str, str], ta
 
 
 class RankPool:
-    """``world_size`` spawned gloo ranks on ``num_nodes`` simulated nodes.
+    """``world_size`` gloo ranks on ``num_nodes`` simulated nodes (see [Note: ranks forked from a fork server]).
 
     ``stall_s``: a run fails when no rank made progress for this long; ``max_s``: the ceiling on one
     run (see [Note: progress, not wall-clock]). ``timeout`` is an older name for ``max_s``.
@@ -155,7 +174,7 @@ class RankPool:
     def _start(self) -> None:
         self._tmp = tempfile.mkdtemp(prefix="hs-pool-")
         store_path = os.path.join(self._tmp, "store")
-        ctx = _spawn()
+        ctx = _context()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._ticks = ctx.Array("q", self.world_size, lock=False)
@@ -163,6 +182,7 @@ class RankPool:
         self._procs = []
         for rank, (node, local_rank) in enumerate(self.placement):
             env = {
+                **os.environ,
                 "RANK": str(rank),
                 "LOCAL_RANK": str(local_rank),
                 "WORLD_SIZE": str(self.world_size),
@@ -256,6 +276,25 @@ class RankPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def print_result(record: dict[str, Any]) -> None:
+    """Print ``RESULT {json}`` for :func:`read_results`, in one write: under ``PYTHONUNBUFFERED=1``,
+    ``print`` writes the text and its newline separately, and a C++ warning on stderr (the same pipe)
+    can land between them, on the result's line."""
+    import json
+
+    sys.stdout.write(f"RESULT {json.dumps(record)}\n")
+    sys.stdout.flush()
+
+
+def read_results(text: str) -> list[dict[str, Any]]:
+    """The records of every ``RESULT {json}`` line of a rank's output, in order; text after a record on
+    its line (another thread's output, written between a record and its newline) is not part of it."""
+    import json
+
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(line[len("RESULT "):])[0] for line in text.splitlines() if line.startswith("RESULT ")]
 
 
 class RankExit(NamedTuple):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import os
 import sys
 from datetime import timedelta
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hybridshard as hs  # noqa: E402
 from tests import runtime_models as RM  # noqa: E402
+from tests.mp import print_result  # noqa: E402
 
 
 def _parse() -> argparse.Namespace:
@@ -87,7 +87,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         losses.append(round(float(loss), 6))
-    print("RESULT " + json.dumps({"rank": rank, "losses": losses}), flush=True)
+    print_result({"rank": rank, "losses": losses})
     if not args.no_destroy:
         dist.destroy_process_group()
 

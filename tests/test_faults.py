@@ -7,14 +7,13 @@ Every message leads with the cause: which rank did what.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
 
 import pytest
 
-from tests.mp import run_rank_processes
+from tests.mp import read_results, run_rank_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -27,8 +26,8 @@ def _run(scenario: str, env: dict[str, str] | None = None) -> dict[int, dict]:
     results = {}
     for rank, (code, text, *_) in enumerate(ranks):
         assert code is not None, f"rank {rank} hung (killed at the timeout):\n{text[-2000:]}"
-        lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
-        results[rank] = json.loads(lines[-1][len("RESULT "):]) if lines else {"outcome": "no result", "code": code}
+        lines = read_results(text)
+        results[rank] = lines[-1] if lines else {"outcome": "no result", "code": code}
         results[rank]["code"] = code
         results[rank]["output"] = text[-6000:]
     return results

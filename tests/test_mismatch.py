@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.mp import run_rank_processes
+from tests.mp import read_results, run_rank_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,7 +36,7 @@ def _run(scenario: str, env: dict[str, str] | None = None) -> list[dict]:
     out = []
     for rank, (code, text, _, ended) in enumerate(ranks):
         assert code is not None, f"rank {rank} hung (killed at the timeout):\n{text[-3000:]}"
-        results = [json.loads(line[len("RESULT "):]) for line in text.splitlines() if line.startswith("RESULT ")]
+        results = read_results(text)
         step1 = [float(line.split()[1]) for line in text.splitlines() if line.startswith("STEP1 ")]
         out.append({"code": code, "text": text, "result": results[-1] if results else None,
                     "after_step1": ended - step1[0] if step1 else None})

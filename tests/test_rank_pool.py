@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from tests.mp import RankPool
+from tests.mp import RankPool, print_result, read_results
 
 pytestmark = pytest.mark.multiprocess
 
@@ -53,3 +53,25 @@ def test_a_hang_fails_after_the_stall_window(pool):
     elapsed = time.monotonic() - start
     assert STALL_S <= elapsed < STALL_S + 20, elapsed  # not before the window, and soon after it
     assert pool.run(compute_for, 0.0) == [0, 0]  # the pool restarted
+
+
+class _Writes:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_result_is_one_write_and_reads_back_with_other_output_after_it(monkeypatch):
+    out = _Writes()
+    monkeypatch.setattr("sys.stdout", out)
+    print_result({"rank": 2, "message": "a\nb"})
+    assert len(out.calls) == 1 and out.calls[0].endswith("}\n"), out.calls  # nothing can land before the newline
+    # A C++ warning written between a record and its newline (seen with PYTHONUNBUFFERED=1 and print()).
+    text = "log\n" + out.calls[0].rstrip("\n") + "[W c10d] sendBytes failed: Broken pipe\nRESULT {\"b\": [1]}\n"
+    assert read_results(text) == [{"rank": 2, "message": "a\nb"}, {"b": [1]}]

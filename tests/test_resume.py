@@ -1,7 +1,7 @@
 """Kill one rank mid-training; the job resumes from the latest checkpoint and finishes with the
 parameters and losses of a run that was never interrupted. Two ways:
 
-* relaunched: the job stops, and is launched again with ``--resume``;
+* relaunched: the job stops, and is launched again with ``--resume`` (over the static rendezvous);
 * restarted in place: ``hybridshard launch --max-restarts 1`` restarts every rank of both nodes,
   which resume by themselves (see [Note: restarts] in hybridshard/launcher/settings.py).
 
@@ -21,6 +21,7 @@ import sys
 import pytest
 import torch
 
+from hybridshard.launcher.local_cluster import free_port
 from tests.mp import held_store
 
 pytestmark = pytest.mark.multiprocess
@@ -40,21 +41,41 @@ def _rendezvous(port: int, restarts: int | None) -> list[str]:
             *(["--max-restarts", str(restarts)] if restarts is not None else [])]
 
 
+def _static(port: int, node: int) -> list[str]:
+    """The static rendezvous SLURM scripts use: node 0's agent hosts the store at ``port``."""
+    return ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+
+
 def _run_cluster(tmp_path, name: str, extra: list[str], *, restarts: int | None = None, fails: bool = False,
-                 timeout: float = 90):
-    """Two agents (nodes) x 2 ranks; returns rank 0's JSON result, final state, and both agents' output."""
-    with held_store() as store:
-        return _run_agents(tmp_path, name, extra, store.port, restarts=restarts, fails=fails, timeout=timeout)
+                 timeout: float = 90, static: bool = False):
+    """Two agents (nodes) x 2 ranks; returns rank 0's JSON result, final state, and both agents' output.
+
+    ``static``: the static rendezvous, whose store node 0's agent binds itself, so its port can only be
+    probed; if another process took it in between (node 0 says the address is in use), the run is
+    tried again on another port, at most twice more."""
+    if not static:
+        with held_store() as store:
+            return _run_agents(tmp_path, name, extra, lambda node: _rendezvous(store.port, restarts),
+                               fails=fails, timeout=timeout)
+    for attempt in range(3):
+        port = free_port()
+        try:
+            return _run_agents(tmp_path, f"{name}{attempt}", extra, lambda node: _static(port, node), fails=fails,
+                               timeout=timeout)
+        except AssertionError as err:
+            if "EADDRINUSE" not in str(err) and "ddress already in use" not in str(err):
+                raise
+    raise AssertionError(f"port taken by another process in each of 3 static rendezvous: {name}")
 
 
-def _run_agents(tmp_path, name: str, extra: list[str], port: int, *, restarts: int | None, fails: bool, timeout: float):
+def _run_agents(tmp_path, name: str, extra: list[str], rendezvous, *, fails: bool, timeout: float):
     out_json, out_state = tmp_path / f"{name}.json", tmp_path / f"{name}.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "TORCH_DISABLE"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO, TORCH_CPP_LOG_LEVEL="ERROR")
     procs = []
     for node in range(2):
         argv = [sys.executable, "-m", "hybridshard", "launch", "--nnodes", "2", "--nproc-per-node", "2",
-                *_rendezvous(port, restarts), "--monitor-interval", "0.2", "--", EXAMPLE, *SMALL, *extra,
+                *rendezvous(node), "--monitor-interval", "0.2", "--", EXAMPLE, *SMALL, *extra,
                 "--json-out", str(out_json), "--state-out", str(out_state)]
         procs.append(subprocess.Popen(argv, env={**env, "HYBRIDSHARD_NODE_NAME": f"node{node}"}, cwd=tmp_path,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -103,7 +124,9 @@ def test_killed_rank_resumes_and_matches_the_uninterrupted_run(tmp_path, plain):
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "2", "--resume"]
     _, _, text = _run_cluster(tmp_path, "killed", [*ckpt, *KILL], fails=True)
     assert "rank 3: killing myself at step 5" in text and "step    4" in text and "step    5" not in text, text
-    resumed, state, text = _run_cluster(tmp_path, "resumed", ckpt)
+    # Relaunched as a SLURM script would, with the static rendezvous (the plain run used c10d's): node
+    # ranks are fixed by --node-rank there; the groups, and so the results, follow the nodes' names.
+    resumed, state, text = _run_cluster(tmp_path, "resumed", ckpt, static=True)
     assert "step_00000004: continuing at step 4" in text, text
     assert resumed["start_step"] == 4 and len(resumed["losses"]) == 2
     _assert_matches(plain, resumed, state)

@@ -3,6 +3,8 @@ sync, ZeRO-2 mutation checks, and every bad input ``shard`` must reject. 4 ranks
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -316,8 +318,34 @@ class _FailInBackward(torch.autograd.Function):
         raise RuntimeError("simulated failure in backward")
 
 
-def check_backward_that_raises(strategy):
-    """A backward that raises half-way (a skipped batch) leaves the model usable for the next step."""
+class _HoldingEngine:
+    """The autograd engine, but every final callback queued through it stays referenced, as when
+    something keeps a raised backward's graph task (and its callbacks) alive for a while."""
+
+    def __init__(self) -> None:
+        self.held: list = []
+
+    def queue_callback(self, callback) -> None:
+        self.held.append(callback)
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def check_backward_that_raises(strategy, hold_callbacks=False):
+    """A backward that raises half-way (a skipped batch) leaves the model usable for the next step,
+    also while its callback is still referenced (``hold_callbacks``)."""
+    from hybridshard.runtime import engine as engine_module
+
+    if hold_callbacks:
+        holder = types.SimpleNamespace(_execution_engine=_HoldingEngine())
+        saved, engine_module.Variable = engine_module.Variable, holder
+    try:
+        return _backward_that_raises(strategy)
+    finally:
+        if hold_callbacks:
+            engine_module.Variable = saved
+
+
+def _backward_that_raises(strategy):
     ref, model = RM.make_model(), RM.make_model()
     _shard(model, strategy)
     tokens = RM.batch(0, 0, 0, 2)
@@ -343,6 +371,10 @@ def check_backward_that_raises(strategy):
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD_ZERO2", "NO_SHARD"])
 def test_backward_that_raises_then_next_step(pool, strategy):
     assert all(pool.run(check_backward_that_raises, strategy))
+
+
+def test_backward_that_raises_then_next_step_while_its_callback_is_still_held(pool):
+    assert all(pool.run(check_backward_that_raises, "NO_SHARD", hold_callbacks=True))
 
 
 def check_nan_loss_on_one_rank(strategy):

@@ -6,14 +6,13 @@ before the fix), so each job runs many times: a test that ran it once would pass
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 
 from hybridshard.runtime.comm import handoff
-from tests.mp import run_rank_processes
+from tests.mp import read_results, run_rank_processes
 
 HERE = os.path.dirname(__file__)
 RUNS = 20
@@ -25,9 +24,9 @@ def _results(out) -> list[dict]:
     results = []
     for rank, (code, text, *_) in enumerate(out):
         assert code == 0, f"rank {rank} exited with {code}:\n{text[-3000:]}"
-        lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
+        lines = read_results(text)
         assert lines, f"rank {rank} printed no result:\n{text[-3000:]}"
-        results.append(json.loads(lines[-1][len("RESULT "):]))
+        results.append(lines[-1])
     return results
 
 

@@ -20,7 +20,10 @@ or raised, and then drops them. So the runtime holds only a weak reference to th
 queued: while that reference is alive, the backward that queued it is still running. Comparing
 graph-task ids would not do: reentrant activation checkpointing runs a *nested* backward (a new
 graph task) inside the running one, and its gradient hooks must not be mistaken for a new backward
-after an aborted one.
+after an aborted one. The reference can outlive the task, though (whatever still holds the raised
+task drops it later), so the root's forward pre-hook also asks whether this thread runs any graph
+task: a forward outside every backward comes after every backward it could belong to, and a
+recomputing forward (activation checkpointing) runs inside one.
 """
 
 from __future__ import annotations
@@ -155,7 +158,9 @@ class Engine:
 
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict):
             with hook_clock.timed(unit, "Engine.pre_hook"):
-                if is_root and self._callback_queued and not self._backward_running():
+                if is_root and self._callback_queued and (
+                    not self._backward_running() or torch._C._current_graph_task_id() == -1
+                ):
                     self._recover_aborted_backward()
                 if is_root and not self.in_backward:
                     self.executor.end_step()

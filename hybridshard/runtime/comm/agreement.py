@@ -72,13 +72,16 @@ __all__ = ["StepCheck", "check", "enabled", "issue_step_check", "raise_if_out_of
 
 # Newer torch renames the tensor-in/tensor-out all-gather; the semantics are the same.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_DEBUG = {"on": os.environ.get("HYBRIDSHARD_DEBUG", "") not in ("", "0")}
+_DEBUG: dict[str, bool | None] = {"on": None}  # None: read HYBRIDSHARD_DEBUG at the first collective
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8)
 
 
 def enabled() -> bool:
-    return _DEBUG["on"]
+    on = _DEBUG["on"]
+    if on is None:  # read when first needed, not at import: a process may set it after importing us
+        on = _DEBUG["on"] = os.environ.get("HYBRIDSHARD_DEBUG", "") not in ("", "0")
+    return on
 
 
 def set_debug(on: bool) -> None:
