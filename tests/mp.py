@@ -74,7 +74,7 @@ def _context():
 
 # [Note: ranks forked from a fork server]
 # A spawned rank is a fresh interpreter that imports torch and hybridshard again (about 3 s of CPU on
-# an idle core, more under load), and the suite starts over a hundred of them. The pools' ranks are
+# an idle core, more under load), and every test module's pool starts its own. The pools' ranks are
 # instead forked from multiprocessing's fork server, started once per test process, which imported
 # PRELOAD and nothing else: single-threaded, no process group, no OpenMP pool, so forking it is safe.
 # Each rank still starts from that clean state, never from the test process. What a fork server does

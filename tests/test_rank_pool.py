@@ -33,6 +33,12 @@ def hang(rank_to_hold: int) -> None:
     dist.barrier()
 
 
+def read_env(name: str) -> tuple[str | None, str]:
+    import os
+
+    return os.environ.get(name), os.environ["RANK"]
+
+
 @pytest.fixture(scope="module")
 def pool():
     with RankPool(2, num_nodes=1, stall_s=STALL_S) as p:
@@ -53,6 +59,14 @@ def test_a_hang_fails_after_the_stall_window(pool):
     elapsed = time.monotonic() - start
     assert STALL_S <= elapsed < STALL_S + 20, elapsed  # not before the window, and soon after it
     assert pool.run(compute_for, 0.0) == [0, 0]  # the pool restarted
+
+
+def test_a_new_pool_sees_the_environment_of_now_not_the_fork_servers(pool, monkeypatch):
+    # The fork server started with the module's pool, before this variable existed.
+    monkeypatch.setenv("HYBRIDSHARD_POOL_PROBE", "set after the server started")
+    with RankPool(2, num_nodes=1, stall_s=STALL_S) as fresh:
+        assert fresh.run(read_env, "HYBRIDSHARD_POOL_PROBE") == [("set after the server started", "0"),
+                                                                  ("set after the server started", "1")]
 
 
 class _Writes:
