@@ -56,6 +56,7 @@ from hybridshard.state.pieces import Piece, PieceLoadPlanner, PieceSavePlanner
 from hybridshard.state.progress import ProgressWriter
 from hybridshard.state.reader import CheckedReader
 from hybridshard.state.trust import UnsafeCheckpointError, check_plain
+from hybridshard.topology.groups import collective_device
 
 logger = logging.getLogger(__name__)
 
@@ -97,19 +98,49 @@ def _buffers(model: nn.Module, param_names: set[str]) -> dict[str, torch.Tensor]
     return {k: v for k, v in module_state_dict(model).items() if k not in param_names and k not in aliases}
 
 
-def _topology(model: nn.Module) -> dict[str, Any]:
-    node = os.environ.get("HYBRIDSHARD_NODE_NAME") or socket.gethostname()
+def _node() -> str:
+    return os.environ.get("HYBRIDSHARD_NODE_NAME") or socket.gethostname()
+
+
+def _topology(model: nn.Module, nodes: list[str]) -> dict[str, Any]:
     if not is_sharded(model):
-        return {"world_size": 1, "strategy": None, "nodes": [node], "units": []}
+        return {"world_size": 1, "strategy": None, "nodes": nodes, "units": []}
     engine = get_engine(model)
-    nodes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(nodes, node)
     units = [
         {"name": u.name, "strategy": u.strategy.name, "shard_size": u.groups.shard_size,
          "replicate_size": u.groups.replicate_size, "numel": u.flat.layout.numel}
         for u in engine.units
     ]
     return {"world_size": dist.get_world_size(), "strategy": engine.strategy.name, "nodes": nodes, "units": units}
+
+
+# [Note: checkpoint metadata at scale]
+# Every rank returns the bytes each rank wrote (``SaveResult.bytes_per_rank``, which the Lightning and
+# Fabric integrations index by global rank); only rank 0, which writes the manifest, needs the ranks'
+# node names. So the bytes travel as one int64 a rank (an all-gather), and the names as their UTF-8
+# bytes, padded to the longest (one all-reduce of an int64 finds it), gathered to rank 0 alone: a rank
+# other than 0 receives 8 W + 8 bytes, rank 0 also W times the longest name. Both went through
+# ``all_gather_object`` before: a size and a pickle from every rank to every rank (245 KB a rank at
+# 4,096 ranks; docs/scale.md).
+def _save_meta(node: str, written: int) -> tuple[list[str] | None, list[int]]:
+    """``(every rank's node name on rank 0, else None; every rank's bytes written)``: see the note."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = collective_device()
+    per_rank = torch.empty(world, dtype=torch.int64, device=device)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # newer torch's name
+    all_gather(per_rank, torch.tensor([written], dtype=torch.int64, device=device))
+    name = node.encode("utf-8", "surrogateescape")  # as os.environ holds undecodable bytes
+    longest = torch.tensor([len(name)], dtype=torch.int64, device=device)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    mine = torch.zeros(max(1, int(longest.item())), dtype=torch.uint8)
+    mine[: len(name)] = torch.tensor(list(name), dtype=torch.uint8)
+    mine = mine.to(device)
+    names = [torch.empty_like(mine) for _ in range(world)] if rank == 0 else None
+    dist.gather(mine, names, dst=0)
+    nodes = None  # no name holds a NUL byte (environment values and host names cannot)
+    if names is not None:
+        nodes = [bytes(t.tolist()).rstrip(b"\0").decode("utf-8", "surrogateescape") for t in names]
+    return nodes, per_rank.tolist()
 
 
 # -- save ------------------------------------------------------------------------------------------
@@ -164,7 +195,6 @@ def save_checkpoint(
     for key, value in plain.items():  # read back with weights_only=True; see [Note: checkpoints are data]
         if not torch.is_tensor(value):
             check_plain(value, key)
-    topology = _topology(model)
 
     if rank == 0:
         os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -185,12 +215,10 @@ def save_checkpoint(
     written = writer.bytes_written
     seconds = time.perf_counter() - t0
     logger.info("save %s: rank %d wrote %d bytes in %.2f s", final, rank, written, seconds)
-    per_rank = [written]
-    if sharded:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, written)
-        per_rank = gathered
+    nodes, per_rank = _save_meta(_node(), written) if sharded else ([_node()], [written])
     if rank == 0:
+        assert nodes is not None
+        topology = _topology(model, nodes)
         shapes = {name: list(shape) for name, (shape, _, _, _) in places.items()}
         dtypes = {name: str(p.dtype) for name, p in local.items()}
         manifest = {
