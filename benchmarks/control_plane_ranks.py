@@ -39,7 +39,8 @@ class CountingStore:
     """A store client that counts its operations and bytes (exact, whatever the timing)."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner, self.ops, self.reads, self.sent, self.received = inner, 0, 0, 0, 0
+        self.inner, self.ops, self.reads, self.sent, self.received, self.beats = inner, 0, 0, 0, 0, 0
+        self.multi_gets = 0
         self.frozen = False
         """A killed rank's: its writes never happen, its reads fail (so its threads stop at once)."""
 
@@ -50,8 +51,18 @@ class CountingStore:
     def set(self, key: str, value: bytes) -> None:
         self._alive()
         self.ops += 1
+        self.beats += key.startswith("hybridshard/beat/")
         self.sent += len(key) + len(value)
         self.inner.set(key, value)
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        self._alive()
+        value = self.inner.compare_set(key, expected, desired)
+        self.ops += 1
+        self.reads += 1
+        self.sent += len(key) + len(expected) + len(desired)
+        self.received += len(value)
+        return value
 
     def check(self, keys: list[str]) -> bool:
         self._alive()
@@ -64,6 +75,7 @@ class CountingStore:
         self._alive()
         values = self.inner.multi_get(keys)
         self.ops += 1
+        self.multi_gets += 1
         self.reads += 1
         self.sent += sum(map(len, keys))
         self.received += sum(map(len, values))
@@ -143,8 +155,14 @@ class Job:
                 watchdog.start()
 
     def counts(self) -> tuple[int, int, int]:
+        """Operations, operations other than heartbeats, bytes: over every rank."""
         stores = [p.found["store"] for p in self.planes]
-        return sum(s.ops for s in stores), sum(s.reads for s in stores), sum(s.sent + s.received for s in stores)
+        return (sum(s.ops for s in stores), sum(s.ops - s.beats for s in stores),
+                sum(s.sent + s.received for s in stores))
+
+    def readings(self) -> int:
+        """``multi_get`` calls over every rank (each a reading of many heartbeats)."""
+        return sum(p.found["store"].multi_gets for p in self.planes)
 
     def begin_all(self, ranks: range) -> dict[int, int]:
         tokens = {}
@@ -198,7 +216,8 @@ def stall(job: Job, fault_s: float, lag: Lag) -> dict[str, float]:
     """Rank 0 outside any collective for STALL_FACTOR x the fault limit, every other rank waiting on it."""
     _set_limits(fault_s)
     tokens = job.begin_all(range(1, job.world))
-    ops0, reads0, bytes0 = job.counts()
+    ops0, other0, bytes0 = job.counts()
+    readings0 = job.readings()
     lag.reset()
     time.sleep(STALL_FACTOR * fault_s)
     deadline = time.monotonic() + 60  # checks that began still finish (the harness may be late)
@@ -206,10 +225,12 @@ def stall(job: Job, fault_s: float, lag: Lag) -> dict[str, float]:
         time.sleep(0.1)
     checks = sum(1 for p in job.planes for e in list(p.in_flight.values()) if e.checked)
     job.end_all(tokens)
-    ops1, reads1, bytes1 = job.counts()
+    ops1, other1, bytes1 = job.counts()
     checks = max(checks, 1)
+    # Every operation but the heartbeats (the round's writes included), + the ask's own heartbeat.
     return {"false_reports": len(job.stopped), "stall_checks": checks,
-            "store_ops_per_check_per_rank": (reads1 - reads0) / checks + 1,  # + the ask's own heartbeat
+            "store_ops_per_check_per_rank": (other1 - other0) / checks + 1,
+            "store_multi_get_per_check_per_rank": (job.readings() - readings0) / checks,
             "store_bytes_per_check_per_rank": (bytes1 - bytes0) / checks, "stall_lag_ms": 1e3 * lag.reset(),
             "stall_total_ops": ops1 - ops0}
 
