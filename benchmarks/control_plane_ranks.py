@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -259,6 +260,10 @@ def detect(job: Job, fault_s: float, lag: Lag, victim: int) -> dict[str, float]:
             "detect_after_check_s": last - t0 - fault_s, "detect_lag_ms": 1e3 * lag.reset()}
 
 
+def _progress(world: int, text: str) -> None:
+    print(f"W={world}: {text}", file=sys.stderr, flush=True)  # a long run's progress (not a figure line)
+
+
 def fault_phases(world: int, fault_s: float, healthy_s: float) -> dict[str, Any]:
     """A healthy job, a stall of rank 0, a death: the figures of each, for W thread ranks."""
     out: dict[str, Any] = {}
@@ -271,10 +276,14 @@ def fault_phases(world: int, fault_s: float, healthy_s: float) -> dict[str, Any]
     # whose later subprocesses inherit them) are put back after.
     saved = {k: os.environ.get(k) for k in ("HYBRIDSHARD_FAULT_SECONDS", "HYBRIDSHARD_HANG_SECONDS")}
     try:
+        _progress(world, f"{world} ranks started in {out['start_s']:.1f}s")
         time.sleep(2.0)  # every rank beat once
-        out.update(healthy(job, healthy_s, lag))
-        out.update(stall(job, fault_s, lag))
-        out.update(detect(job, fault_s, lag, victim=world // 2 + 1))
+        for name, phase in (("healthy", lambda: healthy(job, healthy_s, lag)), ("stall", lambda: stall(job, fault_s, lag)),
+                            ("detect", lambda: detect(job, fault_s, lag, victim=world // 2 + 1))):
+            t = time.monotonic()
+            out.update(phase())
+            _progress(world, f"{name} phase: {time.monotonic() - t:.1f}s, lag "
+                             f"{out.get(name + '_lag_ms', float('nan')):.0f} ms")
     finally:
         job.close()
         lag.stop()

@@ -88,7 +88,7 @@ def _gathered_bytes(payloads: list[Any]) -> int:
 
 def ckpt_meta_bytes(nodes: list[str]) -> tuple[int, int]:
     """Bytes a save's metadata exchange leaves on a rank other than 0, and on rank 0, for the ranks'
-    node names ``nodes`` ([Note: checkpoint metadata at scale] in hybridshard/state/checkpoint.py):
+    node names ``nodes`` ([Note: checkpoint metadata at scale] in hybridshard/state/save_meta.py):
     the output buffers its collectives fill, its own piece included. Every rank: the all-gather of one
     int64 a rank (8 W) and the all-reduce of the longest name's length (8); rank 0 also the gather of
     every name padded to the longest (W x longest). ``tests/test_checkpoint.py`` checks these against

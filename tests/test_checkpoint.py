@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 import hybridshard as hs
 from hybridshard.runtime.engine import get_engine
 from hybridshard.state import checkpoint as CK
+from hybridshard.state import save_meta as SM
 from tests import runtime_models as RM
 from tests.live_bytes import LiveTensorBytes
 from tests.mp import RankPool
@@ -217,11 +218,11 @@ class _Received:
 def save_counted(path: str) -> dict:
     model, _ = _sharded("HYBRID_SHARD", seed=0)
     received = _Received()
-    CK.dist = received
+    SM.dist = received
     try:
         saved = hs.save_checkpoint(path, model)
     finally:
-        CK.dist = dist
+        SM.dist = dist
     return {"bytes": received.bytes, "calls": received.calls, "per_rank": saved.bytes_per_rank}
 
 

@@ -1,34 +1,23 @@
 """One reading of every heartbeat for all the ranks that ask at the same time, and reports in runs.
 
 [Note: one reading for the ranks asking at once]
-A stall (rank 0 writing a checkpoint for 90 s) pushes every rank past ``HYBRIDSHARD_FAULT_SECONDS``
-at once, and a failed collective makes every survivor ask at once: W readings of W heartbeats, W²
-bytes through the store's host. So askers share rounds, one series per kind of ask (brief or full,
-and its ``seconds``), under ``hybridshard/ask/<series>/round``, which holds ``<n>|open|<rank>`` or
-``<n>|closed|<rank>``:
-
-- an asker swaps the value it saw last for ``<n+1>|open|<me>`` (``compare_set``, one operation);
-  when that lands it leads round n+1: it reads every heartbeat as :func:`~hybridshard.runtime.faults.peers.observe`
-  always did (a rank lost only when its own counter stood still ``seconds``), marks the round
-  ``closed`` just before its second reading, and leaves the outcome under ``.../<n+1>``;
-- an asker that finds a round ``open`` follows it: it polls that round's outcome key
-  (:data:`FOLLOW_EVERY`; one operation a look, then with backoff) and uses it. The first reading of a round it joins was taken at
-  most :data:`~hybridshard.runtime.faults.peers.FIRST_READ` before it asked (the round closes at
-  its second reading), so a rank that died up to that long before the ask may be named by the next
-  check instead; an asker that finds a round ``closed`` starts the next one;
-- a leader that dies or stalls leaves its followers waiting ``seconds`` + :func:`follow_slack`: each
-  then tries to start the next round, and after :data:`MAX_FOLLOWS` rounds without an outcome it
-  reads every heartbeat itself. No wait is longer than that, and a store that cannot be reached
-  ends the ask with ``None`` at once.
-
-The outcome is compact. It holds the lost ranks as runs, and the others' reports in runs of
-consecutive ranks with the same state, call, group and text once the rank's own number and the
-seconds in flight are taken out (:func:`compact`): a brief round only the ranks that raised, failed
-or finished, a full round every rank (its leader's own answer included), so the hang report and the
-exit check get one line per rank back, each rank's text with its own number and its run's smallest
-seconds in flight. The same runs print the tables (:func:`table`): a run of :data:`RUN_LINE` ranks or
-more is one line (``ranks 1-4095: in all_reduce ... for 61-63s``), so a 4,096-rank job that waits on
-one rank logs a few lines, not 4,096.
+A stall that pushes every rank past ``HYBRIDSHARD_FAULT_SECONDS`` at once, or a collective failing on
+every survivor, made each rank read every heartbeat: W² bytes through the store's host. Now askers
+share rounds, one series per kind of ask (brief or full, its ``seconds``): ``.../round`` holds
+``<n>|open|<rank>`` or ``<n>|closed|<rank>``. An asker swaps the value it saw last for
+``<n+1>|open|<me>`` (``compare_set``); if that lands it leads: it reads as
+:func:`~hybridshard.runtime.faults.peers.observe` always did (lost only when a rank's own counter stood
+still), closes the round just before its second reading and leaves a compact outcome under ``.../<n+1>``.
+An asker that finds a round open follows it, polling the outcome key (one op a look); one that finds
+it closed starts the next. A follower's round began at most ``FIRST_READ`` before it asked. A leader
+that dies or stalls leaves its followers ``seconds`` + :func:`follow_slack`; they start the next round,
+and after :data:`MAX_FOLLOWS` rounds without an outcome read every heartbeat themselves. An unreachable
+store ends the ask with ``None`` at once.
+The outcome holds the lost ranks as runs and the others' reports as runs of consecutive ranks alike
+but for their own number and seconds in flight (:func:`compact`): a brief round only the ranks that
+raised, failed or finished; a full one every rank, so the hang report and the exit check get a report
+per rank back (its run's least seconds). Tables print a run of :data:`RUN_LINE` or more as one line
+(:func:`table`): a 4,096-rank job waiting on one rank logs a few lines, not 4,096. docs/scale.md.
 """
 
 from __future__ import annotations
