@@ -283,7 +283,11 @@ def fault_phases(world: int, fault_s: float, healthy_s: float) -> dict[str, Any]
             t = time.monotonic()
             out.update(phase())
             _progress(world, f"{name} phase: {time.monotonic() - t:.1f}s, lag "
-                             f"{out.get(name + '_lag_ms', float('nan')):.0f} ms")
+                             f"{out.get(name + '_lag_ms', float('nan')):.0f} ms; " + ", ".join(
+                                 f"{k} {out[k]:.4g}" for k in ("false_reports", "stall_checks", "store_ops_per_check_per_rank",
+                                                               "store_multi_get_per_check_per_rank", "detected",
+                                                               "detect_s") if k in out and name in ("stall", "detect")
+                                 and (k.startswith("detect") == (name == "detect"))))
     finally:
         job.close()
         lag.stop()
