@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -39,7 +40,8 @@ class CountingStore:
     """A store client that counts its operations and bytes (exact, whatever the timing)."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner, self.ops, self.reads, self.sent, self.received = inner, 0, 0, 0, 0
+        self.inner, self.ops, self.reads, self.sent, self.received, self.beats = inner, 0, 0, 0, 0, 0
+        self.multi_gets = 0
         self.frozen = False
         """A killed rank's: its writes never happen, its reads fail (so its threads stop at once)."""
 
@@ -50,8 +52,18 @@ class CountingStore:
     def set(self, key: str, value: bytes) -> None:
         self._alive()
         self.ops += 1
+        self.beats += key.startswith("hybridshard/beat/")
         self.sent += len(key) + len(value)
         self.inner.set(key, value)
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        self._alive()
+        value = self.inner.compare_set(key, expected, desired)
+        self.ops += 1
+        self.reads += 1
+        self.sent += len(key) + len(expected) + len(desired)
+        self.received += len(value)
+        return value
 
     def check(self, keys: list[str]) -> bool:
         self._alive()
@@ -64,6 +76,7 @@ class CountingStore:
         self._alive()
         values = self.inner.multi_get(keys)
         self.ops += 1
+        self.multi_gets += 1
         self.reads += 1
         self.sent += sum(map(len, keys))
         self.received += sum(map(len, values))
@@ -143,8 +156,14 @@ class Job:
                 watchdog.start()
 
     def counts(self) -> tuple[int, int, int]:
+        """Operations, operations other than heartbeats, bytes: over every rank."""
         stores = [p.found["store"] for p in self.planes]
-        return sum(s.ops for s in stores), sum(s.reads for s in stores), sum(s.sent + s.received for s in stores)
+        return (sum(s.ops for s in stores), sum(s.ops - s.beats for s in stores),
+                sum(s.sent + s.received for s in stores))
+
+    def readings(self) -> int:
+        """``multi_get`` calls over every rank (each a reading of many heartbeats)."""
+        return sum(p.found["store"].multi_gets for p in self.planes)
 
     def begin_all(self, ranks: range) -> dict[int, int]:
         tokens = {}
@@ -198,7 +217,8 @@ def stall(job: Job, fault_s: float, lag: Lag) -> dict[str, float]:
     """Rank 0 outside any collective for STALL_FACTOR x the fault limit, every other rank waiting on it."""
     _set_limits(fault_s)
     tokens = job.begin_all(range(1, job.world))
-    ops0, reads0, bytes0 = job.counts()
+    ops0, other0, bytes0 = job.counts()
+    readings0 = job.readings()
     lag.reset()
     time.sleep(STALL_FACTOR * fault_s)
     deadline = time.monotonic() + 60  # checks that began still finish (the harness may be late)
@@ -206,10 +226,12 @@ def stall(job: Job, fault_s: float, lag: Lag) -> dict[str, float]:
         time.sleep(0.1)
     checks = sum(1 for p in job.planes for e in list(p.in_flight.values()) if e.checked)
     job.end_all(tokens)
-    ops1, reads1, bytes1 = job.counts()
+    ops1, other1, bytes1 = job.counts()
     checks = max(checks, 1)
+    # Every operation but the heartbeats (the round's writes included), + the ask's own heartbeat.
     return {"false_reports": len(job.stopped), "stall_checks": checks,
-            "store_ops_per_check_per_rank": (reads1 - reads0) / checks + 1,  # + the ask's own heartbeat
+            "store_ops_per_check_per_rank": (other1 - other0) / checks + 1,
+            "store_multi_get_per_check_per_rank": (job.readings() - readings0) / checks,
             "store_bytes_per_check_per_rank": (bytes1 - bytes0) / checks, "stall_lag_ms": 1e3 * lag.reset(),
             "stall_total_ops": ops1 - ops0}
 
@@ -238,6 +260,10 @@ def detect(job: Job, fault_s: float, lag: Lag, victim: int) -> dict[str, float]:
             "detect_after_check_s": last - t0 - fault_s, "detect_lag_ms": 1e3 * lag.reset()}
 
 
+def _progress(world: int, text: str) -> None:
+    print(f"W={world}: {text}", file=sys.stderr, flush=True)  # a long run's progress (not a figure line)
+
+
 def fault_phases(world: int, fault_s: float, healthy_s: float) -> dict[str, Any]:
     """A healthy job, a stall of rank 0, a death: the figures of each, for W thread ranks."""
     out: dict[str, Any] = {}
@@ -250,10 +276,18 @@ def fault_phases(world: int, fault_s: float, healthy_s: float) -> dict[str, Any]
     # whose later subprocesses inherit them) are put back after.
     saved = {k: os.environ.get(k) for k in ("HYBRIDSHARD_FAULT_SECONDS", "HYBRIDSHARD_HANG_SECONDS")}
     try:
+        _progress(world, f"{world} ranks started in {out['start_s']:.1f}s")
         time.sleep(2.0)  # every rank beat once
-        out.update(healthy(job, healthy_s, lag))
-        out.update(stall(job, fault_s, lag))
-        out.update(detect(job, fault_s, lag, victim=world // 2 + 1))
+        for name, phase in (("healthy", lambda: healthy(job, healthy_s, lag)), ("stall", lambda: stall(job, fault_s, lag)),
+                            ("detect", lambda: detect(job, fault_s, lag, victim=world // 2 + 1))):
+            t = time.monotonic()
+            out.update(phase())
+            _progress(world, f"{name} phase: {time.monotonic() - t:.1f}s, lag "
+                             f"{out.get(name + '_lag_ms', float('nan')):.0f} ms; " + ", ".join(
+                                 f"{k} {out[k]:.4g}" for k in ("false_reports", "stall_checks", "store_ops_per_check_per_rank",
+                                                               "store_multi_get_per_check_per_rank", "detected",
+                                                               "detect_s") if k in out and name in ("stall", "detect")
+                                 and (k.startswith("detect") == (name == "detect"))))
     finally:
         job.close()
         lag.stop()

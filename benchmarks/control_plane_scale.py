@@ -86,6 +86,18 @@ def _gathered_bytes(payloads: list[Any]) -> int:
     return 8 * len(payloads) + len(payloads) * max(_sent(p) - 8 for p in payloads)
 
 
+def ckpt_meta_bytes(nodes: list[str]) -> tuple[int, int]:
+    """Bytes a save's metadata exchange leaves on a rank other than 0, and on rank 0, for the ranks'
+    node names ``nodes`` ([Note: checkpoint metadata at scale] in hybridshard/state/save_meta.py):
+    the output buffers its collectives fill, its own piece included. Every rank: the all-gather of one
+    int64 a rank (8 W) and the all-reduce of the longest name's length (8); rank 0 also the gather of
+    every name padded to the longest (W x longest). ``tests/test_checkpoint.py`` checks these against
+    what a real save's collectives fill on 4 ranks."""
+    world, longest = len(nodes), max(1, max(len(n.encode("utf-8", "surrogateescape")) for n in nodes))
+    member = 8 * world + 8
+    return member, member + world * longest
+
+
 def init_and_checkpoint(world: int, layout: str = "block", probes: list[Any] | None = None) -> dict[str, float]:
     """Bytes each rank receives in :func:`hybridshard.topology.summary.gather_summary` (the gather tree:
     parts to block leaders, their keys to rank 0, its choice of senders back, each node probe once to
@@ -144,14 +156,17 @@ def init_and_checkpoint(world: int, layout: str = "block", probes: list[Any] | N
                                          for p, part in zip(probes, parts))
     rank0_flat += sum(_sent(probes[r].node.to_dict()) for r in flat)
     nodes_of = [f"node{r // RANKS_PER_NODE:05d}" for r in range(world)]
-    ckpt = _gathered_bytes(nodes_of) + _gathered_bytes([1 << 40] * world)  # node names, then bytes written
+    ckpt_member, ckpt_rank0 = ckpt_meta_bytes(nodes_of)
+    # Before: node names, then bytes written, each through all_gather_object to every rank.
+    ckpt_before = _gathered_bytes(nodes_of) + _gathered_bytes([1 << 40] * world)
     members = sorted(set(range(world)) - {b[0] for b in tree})
     return {"init_s": init_s, "init_ranks_per_block": len(tree[0]),
             "init_bytes_per_rank": max((received[r] for r in members), default=0),
             "init_bytes_leader": max(received[r] for r in leaders), "init_bytes_rank0": received[0],
             "init_bytes_max_rank": max(received), "init_bytes_rank0_flat": rank0_flat,
             "init_bytes_per_rank_all_gather": _gathered_bytes([p.to_dict() for p in probes]),
-            "ckpt_meta_bytes_per_rank": ckpt}
+            "ckpt_meta_bytes_per_rank": ckpt_member, "ckpt_meta_bytes_rank0": ckpt_rank0,
+            "ckpt_meta_bytes_per_rank_all_gather": ckpt_before}
 
 
 def step_check_model(world: int) -> dict[str, float]:

@@ -92,6 +92,8 @@ _BY_REASON = {
     _CLI + " (`hybridshard bench` reads its config without the runtime)": "bench.config: hybridshard options",
     "summary assembles the view with cluster's assemble_cluster: a module-level import each way would be a cycle":
         "topology.cluster: topology.summary",
+    "asks shares peers' reading of the heartbeats between the ranks asking at once, and peers' ask and table "
+    "go through it: a module-level import each way would be a cycle": "runtime.faults.peers: runtime.faults.asks",
     "smi imports probe (psutil, NVML); " + _PROBE: "topology.synthetic: topology.smi",
     "nvml_recorded imports nvml: resolved on first use": "topology.nvml: topology.nvml_recorded",
     "run as a script (`main`), it imports itself as a module": "topology.nvml: topology.nvml",

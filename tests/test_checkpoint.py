@@ -9,9 +9,12 @@ the parameters and optimizer state the first run saved, and take the same next s
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import pickle
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 import hybridshard as hs
 from hybridshard.runtime.engine import get_engine
 from hybridshard.state import checkpoint as CK
+from hybridshard.state import save_meta as SM
 from tests import runtime_models as RM
 from tests.live_bytes import LiveTensorBytes
 from tests.mp import RankPool
@@ -31,6 +35,7 @@ WORLD = 4
 MICRO = 2
 NEXT = 7  # the step every stage takes after loading: same data everywhere
 TOL = dict(atol=1e-5, rtol=1e-5)
+HARNESS = Path(__file__).resolve().parents[1] / "benchmarks" / "control_plane_scale.py"
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +184,64 @@ def test_replicas_split_the_writing(pool, tmp_path, capsys):
     assert "model.blocks.0.fc1.weight" in out and "32x16" in out and "optim.state.pos.exp_avg_sq" in out
     assert main(["ckpt", "inspect", str(tmp_path / "none")]) == 1
     assert "no complete checkpoint" in capsys.readouterr().err
+
+
+class _Received:
+    """``torch.distributed`` as checkpoint.py calls it (DCP's own collectives are not seen): the bytes
+    each collective leaves on this rank (its output buffers, its own piece included) and the calls."""
+
+    def __init__(self) -> None:
+        self.bytes, self.calls = 0, []
+
+    TENSOR = ("all_gather_single", "all_gather_into_tensor", "all_reduce", "broadcast")
+    LISTS = ("all_gather", "gather", "all_gather_object", "gather_object", "broadcast_object_list")
+
+    def __getattr__(self, name: str):
+        real = getattr(dist, name)
+        if name not in self.TENSOR + self.LISTS:
+            return real
+
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            out = real(*args, **kwargs)
+            if name in self.TENSOR:
+                self.bytes += args[0].numel() * args[0].element_size()
+            else:  # the list it fills (gather: the second argument, on the destination only)
+                filled = args[0] if name in ("all_gather", "all_gather_object", "broadcast_object_list") else (
+                    args[1] if len(args) > 1 else kwargs.get("gather_list", kwargs.get("object_gather_list")))
+                for o in filled or ():
+                    self.bytes += o.numel() * o.element_size() if torch.is_tensor(o) else 8 + len(pickle.dumps(o))
+            return out
+        return counted
+
+
+def save_counted(path: str) -> dict:
+    model, _ = _sharded("HYBRID_SHARD", seed=0)
+    received = _Received()
+    SM.dist = received
+    try:
+        saved = hs.save_checkpoint(path, model)
+    finally:
+        SM.dist = dist
+    return {"bytes": received.bytes, "calls": received.calls, "per_rank": saved.bytes_per_rank}
+
+
+def test_save_metadata_names_reach_rank0_only(pool, tmp_path):
+    """See [Note: checkpoint metadata at scale]: a rank other than 0 receives 8 bytes a rank and 8 more
+    (no node names, no pickles), and the scale harness's count is what a real save's collectives fill."""
+    path = str(tmp_path / "meta")
+    results = pool.run(save_counted, path)
+    manifest = CK.read_manifest(path)
+    assert manifest["nodes"] == ["node0", "node0", "node1", "node1"], manifest["nodes"]
+    for r in results:
+        assert list(r["per_rank"]) == manifest["bytes_per_rank"], (r, manifest["bytes_per_rank"])
+        assert not [c for c in r["calls"] if "object" in c], r["calls"]
+    spec = importlib.util.spec_from_file_location("control_plane_scale", HARNESS)
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    member, rank0 = harness.ckpt_meta_bytes(manifest["nodes"])
+    assert member == 8 * WORLD + 8 and rank0 == member + WORLD * len("node0")
+    assert [r["bytes"] for r in results] == [rank0] + [member] * (WORLD - 1), results
 
 
 def full_state_memory(strategy: str) -> dict:

@@ -167,7 +167,7 @@ def test_unreachable_store_is_said_instead_of_naming_every_rank(monkeypatch):
         def add(self, key, n):
             raise RuntimeError("Connection reset by peer")
 
-        check = set = get = add
+        check = set = get = compare_set = multi_get = add
 
     monkeypatch.setattr(peers, "store", GoneStore)
     monkeypatch.setattr(errors.dist, "get_world_size", lambda group=None: 4)
@@ -183,7 +183,9 @@ def test_unreachable_store_is_said_instead_of_naming_every_rank(monkeypatch):
 def test_an_ask_reads_once_more_after_a_beat_when_every_rank_is_alive():
     # Every rank beats once a second: the ask's second reading, after peers.FIRST_READ, finds every
     # counter moved, so a fault check on a healthy job costs one check and two multi_gets (readings at
-    # 0.25, 0.75 and 1.75 s cost two more, and a stall makes every rank ask at once).
+    # 0.25, 0.75 and 1.75 s cost two more). A rank asking alone leads its own round ([Note: one reading
+    # for the ranks asking at once]): one compare_set claims it, one closes it before the second
+    # reading, and one set leaves the outcome for the ranks that ask at the same time.
     from hybridshard.runtime.faults import peers
     from hybridshard.runtime.faults.rank_state import ControlPlane, bound
 
@@ -191,13 +193,23 @@ def test_an_ask_reads_once_more_after_a_beat_when_every_rank_is_alive():
 
     class Store:
         ops: list = []
+        data: dict = {}
 
         def set(self, key, value):
-            pass
+            Store.ops.append("set beat" if key.startswith("hybridshard/beat/") else "set")
+            Store.data[key] = value
 
         def check(self, keys):
             Store.ops.append("check")
             return True
+
+        def compare_set(self, key, expected, desired):
+            Store.ops.append("compare_set")
+            have = Store.data.get(key, b"")
+            if have == expected:
+                Store.data[key] = desired
+                return desired
+            return have or expected
 
         def multi_get(self, keys):
             Store.ops.append("multi_get")
@@ -207,4 +219,4 @@ def test_an_ask_reads_once_more_after_a_beat_when_every_rank_is_alive():
     with bound(ControlPlane(Store(), rank=0, world=4)):
         reports = peers.ask_everyone({"state": "running", "text": "rank 0: running"})
     assert [r.state for r in reports] == ["running"] * 4, reports
-    assert Store.ops == ["check", "multi_get", "multi_get"], Store.ops
+    assert Store.ops == ["set beat", "compare_set", "check", "multi_get", "compare_set", "multi_get", "set"], Store.ops

@@ -55,6 +55,7 @@ from hybridshard.state.matching import check_model, check_state_size
 from hybridshard.state.pieces import Piece, PieceLoadPlanner, PieceSavePlanner
 from hybridshard.state.progress import ProgressWriter
 from hybridshard.state.reader import CheckedReader
+from hybridshard.state.save_meta import exchange as exchange_meta
 from hybridshard.state.trust import UnsafeCheckpointError, check_plain
 
 logger = logging.getLogger(__name__)
@@ -97,13 +98,14 @@ def _buffers(model: nn.Module, param_names: set[str]) -> dict[str, torch.Tensor]
     return {k: v for k, v in module_state_dict(model).items() if k not in param_names and k not in aliases}
 
 
-def _topology(model: nn.Module) -> dict[str, Any]:
-    node = os.environ.get("HYBRIDSHARD_NODE_NAME") or socket.gethostname()
+def _node() -> str:
+    return os.environ.get("HYBRIDSHARD_NODE_NAME") or socket.gethostname()
+
+
+def _topology(model: nn.Module, nodes: list[str]) -> dict[str, Any]:
     if not is_sharded(model):
-        return {"world_size": 1, "strategy": None, "nodes": [node], "units": []}
+        return {"world_size": 1, "strategy": None, "nodes": nodes, "units": []}
     engine = get_engine(model)
-    nodes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(nodes, node)
     units = [
         {"name": u.name, "strategy": u.strategy.name, "shard_size": u.groups.shard_size,
          "replicate_size": u.groups.replicate_size, "numel": u.flat.layout.numel}
@@ -164,7 +166,6 @@ def save_checkpoint(
     for key, value in plain.items():  # read back with weights_only=True; see [Note: checkpoints are data]
         if not torch.is_tensor(value):
             check_plain(value, key)
-    topology = _topology(model)
 
     if rank == 0:
         os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -185,12 +186,10 @@ def save_checkpoint(
     written = writer.bytes_written
     seconds = time.perf_counter() - t0
     logger.info("save %s: rank %d wrote %d bytes in %.2f s", final, rank, written, seconds)
-    per_rank = [written]
-    if sharded:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, written)
-        per_rank = gathered
+    nodes, per_rank = exchange_meta(_node(), written) if sharded else ([_node()], [written])
     if rank == 0:
+        assert nodes is not None
+        topology = _topology(model, nodes)
         shapes = {name: list(shape) for name, (shape, _, _, _) in places.items()}
         dtypes = {name: str(p.dtype) for name, p in local.items()}
         manifest = {

@@ -8,11 +8,13 @@ holds a counter and where the rank is (:func:`beat`), so a rank whose main threa
 collective still says where it is. A rank that raised, failed or finished writes that into the same
 key and beats no more (:func:`publish`). A rank that needs to describe the job (its collective
 failed, or one of its collectives has been stuck too long) reads the keys of every rank in one
-``multi_get`` and again, with backoff, until each counter moved (:func:`ask_everyone`); a rank is
-lost only when its own counter stood still for :data:`REPORT_SECONDS`: killed, crashed, or hung in
-C++ without its watchdog thread. Nobody answers anybody, so a stall that makes every rank ask at
-once costs each rank a handful of store operations, not one per rank (docs/scale.md has the
-figures). A healthy rank's store load is its one write per second.
+``multi_get`` and again, with backoff, until each counter moved (:func:`observe`); a rank is lost
+only when its own counter stood still for :data:`REPORT_SECONDS`: killed, crashed, or hung in C++
+without its watchdog thread. Nobody answers anybody, and the ranks that ask at the same time share
+one such reading ([Note: one reading for the ranks asking at once] in
+:mod:`hybridshard.runtime.faults.asks`), so a stall that makes every rank ask at once costs each rank
+a handful of store operations and one reading of W keys in all (docs/scale.md has the figures). A
+healthy rank's store load is its one write per second.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ def env_seconds(name: str, default: float) -> float:
                            "(0 turns the check off where that is documented) or unset it", name, raw, default)
         return default
 
-__all__ = ["FIRST_READ", "env_seconds", "REPORT_SECONDS", "Report", "ask_everyone", "beat", "exchange", "identity", "publish", "published", "ranks_text", "runs",
-           "store", "table"]
+__all__ = ["FIRST_READ", "env_seconds", "REPORT_SECONDS", "Report", "ask_everyone", "beat", "exchange", "identity", "lost_report",
+           "observe", "publish", "published", "ranks_text", "reports", "runs", "store", "table"]
 
 REPORT_SECONDS = 3.0
 """How long a rank's heartbeat may stand still before it is named lost."""
@@ -247,8 +249,12 @@ def ask_everyone(mine: dict[str, Any], seconds: float = REPORT_SECONDS,
     move in ``seconds`` (and that did not say it raised, failed or finished) is lost. ``while_waiting``
     runs between polls: the watchdog thread, which beats, keeps beating while it asks itself (ranks
     stuck in the same collective ask at the same time). ``brief``: only the ranks that are lost or
-    said they raised, failed or finished (no other heartbeat is decoded). See [Note: heartbeats].
+    said they raised, failed or finished (no other heartbeat is decoded). Ranks asking at the same
+    time share one reading: see [Note: one reading for the ranks asking at once] in
+    :mod:`hybridshard.runtime.faults.asks`, and [Note: heartbeats].
     """
+    from hybridshard.runtime.faults import asks  # it builds on this module
+
     plane = current()
     s = store()
     if s is None:
@@ -259,36 +265,62 @@ def ask_everyone(mine: dict[str, Any], seconds: float = REPORT_SECONDS,
         if plane.final is None:
             plane.beats += 1
             s.set(_key(me), _encode(plane.beats, mine))
-        seen = _read(s, list(range(world)))
-        first = {r: _count(v) for r, v in seen.items()}
-        waiting = [r for r in range(world) if r != me and not (r in seen and _is_final(seen[r]))]
-        start, poll = time.monotonic(), FIRST_READ
-        next_read = start + poll
-        while waiting and time.monotonic() < start + seconds:
-            if while_waiting is not None:
-                while_waiting()
-            # [Note: few wake-ups] a sleeper per rank at 20 Hz is 20 W wake-ups a second on a shared host;
-            # sleeping to the next read (at most 0.25 s, the beats' pace) keeps them few.
-            time.sleep(max(0.01, min(0.25, min(next_read, start + seconds) - time.monotonic())))
-            if time.monotonic() >= min(next_read, start + seconds):  # backoff: 1.25, 3.75, 8.75 s ..., the deadline
-                now = _read(s, waiting, seen)
-                seen.update(now)
-                waiting = [r for r in waiting if r not in now or (r in first and _count(now[r]) == first[r])]
-                poll = min(2 * poll, 5.0)
-                next_read = time.monotonic() + poll
+        return asks.shared(s, me, world, mine, seconds, while_waiting, brief)
     except Exception:  # noqa: BLE001 - a lost store leaves the names out, not the error
         logger.debug("could not read the other ranks' heartbeats", exc_info=True)
         return None
     finally:
         plane.override = None
-    lost = set(waiting)
+
+
+def observe(s: Any, me: int, world: int, seconds: float, while_waiting: Callable[[], None] | None = None,
+            on_reread: Callable[[], None] | None = None) -> tuple[dict[int, bytes], set[int]]:
+    """Every rank's heartbeat, read at once and again (with backoff) until each counter moved or
+    ``seconds`` passed: ``(the heartbeats last read, the ranks lost)``. A rank is lost when its own
+    counter stood still that long and it did not say it raised, failed or finished; never ``me``.
+    ``on_reread`` runs once, just before the second reading."""
+    seen = _read(s, list(range(world)))
+    first = {r: _count(v) for r, v in seen.items()}
+    waiting = [r for r in range(world) if r != me and not (r in seen and _is_final(seen[r]))]
+    start, poll = time.monotonic(), FIRST_READ
+    next_read = start + poll
+    while waiting and time.monotonic() < start + seconds:
+        if while_waiting is not None:
+            while_waiting()
+        # [Note: few wake-ups] a sleeper per rank at 20 Hz is 20 W wake-ups a second on a shared host;
+        # sleeping to the next read (at most 0.25 s, the beats' pace) keeps them few.
+        time.sleep(max(0.01, min(0.25, min(next_read, start + seconds) - time.monotonic())))
+        if time.monotonic() >= min(next_read, start + seconds):  # backoff: 1.25, 3.75, 8.75 s ..., the deadline
+            if on_reread is not None:
+                on_reread()
+                on_reread = None
+            now = _read(s, waiting, seen)
+            seen.update(now)
+            waiting = [r for r in waiting if r not in now or (r in first and _count(now[r]) == first[r])]
+            poll = min(2 * poll, 5.0)
+            next_read = time.monotonic() + poll
+    return seen, set(waiting)
+
+
+def lost_report(rank: int, seconds: float) -> Report:
+    return Report(rank, "lost", f"rank {rank}: no answer within {seconds:.0f}s (killed, crashed or hung)")
+
+
+def reports(me: int, world: int, mine: dict[str, Any], seen: dict[int, bytes], lost: set[int], seconds: float,
+            brief: bool, *, with_me: bool = False) -> list[Report]:
+    """One :class:`Report` per rank from the heartbeats ``seen`` (``brief``: the lost and the ranks that
+    said they raised, failed or finished; ``with_me``: this rank too, ``mine`` unless it published its end)."""
+    final = current().final
     out = []
     for r in range(world):
-        if brief and r not in lost and (r == me or not _is_final(seen.get(r, b""))):
-            continue
+        if brief and r not in lost:
+            if r == me and not (with_me and final is not None):
+                continue
+            if r != me and not _is_final(seen.get(r, b"")):
+                continue
         if r in lost:
-            out.append(Report(r, "lost", f"rank {r}: no answer within {seconds:.0f}s (killed, crashed or hung)"))
-        elif r == me and plane.final is None:
+            out.append(lost_report(r, seconds))
+        elif r == me and final is None:
             m = mine
             out.append(Report(r, m["state"], m["text"], tuple(m.get("ranks", ())), m.get("call", ""),
                               float(m.get("seconds", 0.0))))
@@ -298,5 +330,8 @@ def ask_everyone(mine: dict[str, Any], seconds: float = REPORT_SECONDS,
 
 
 def table(reports: list[Report]) -> str:
-    """One line per rank, aligned: what the hang report and fault messages print."""
-    return "\n".join(f"  {r.state:>10}  {r.text}" for r in reports)
+    """One line per rank, aligned, long runs of ranks alike as one line: what the hang report and fault
+    messages print (see :func:`hybridshard.runtime.faults.asks.table`)."""
+    from hybridshard.runtime.faults import asks  # it builds on this module
+
+    return asks.table(reports)

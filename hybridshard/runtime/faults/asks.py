@@ -1,0 +1,237 @@
+"""One reading of every heartbeat for all the ranks that ask at the same time, and reports in runs.
+
+[Note: one reading for the ranks asking at once]
+A stall that pushes every rank past ``HYBRIDSHARD_FAULT_SECONDS`` at once, or a collective failing on
+every survivor, made each rank read every heartbeat: W² bytes through the store's host. Now askers
+share rounds, one series per kind of ask (brief or full, its ``seconds``): ``.../round`` holds
+``<n>|open|<rank>`` or ``<n>|closed|<rank>``. An asker swaps the value it saw last for
+``<n+1>|open|<me>`` (``compare_set``); if that lands it leads: it reads as
+:func:`~hybridshard.runtime.faults.peers.observe` always did (lost only when a rank's own counter stood
+still), closes the round just before its second reading and leaves a compact outcome under ``.../<n+1>``.
+An asker that finds a round open follows it, polling the outcome key (one op a look); one that finds
+it closed starts the next. A follower's round began at most ``FIRST_READ`` before it asked. A leader
+that dies or stalls leaves its followers ``seconds`` + :func:`follow_slack`; they start the next round,
+and after :data:`MAX_FOLLOWS` rounds without an outcome read every heartbeat themselves. An unreachable
+store ends the ask with ``None`` at once.
+The outcome holds the lost ranks as runs and the others' reports as runs of consecutive ranks alike
+but for their own number and seconds in flight (:func:`compact`): a brief round only the ranks that
+raised, failed or finished; a full one every rank, so the hang report and the exit check get a report
+per rank back (its run's least seconds). Tables print a run of :data:`RUN_LINE` or more as one line
+(:func:`table`): a 4,096-rank job waiting on one rank logs a few lines, not 4,096. docs/scale.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from typing import Any, Callable
+
+from hybridshard.runtime.faults import peers
+from hybridshard.runtime.faults.peers import Report
+from hybridshard.runtime.faults.rank_state import current
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MAX_FOLLOWS", "RUN_LINE", "compact", "expand", "follow_slack", "shared", "table"]
+
+MAX_FOLLOWS = 2
+"""Rounds an asker follows without an outcome before it reads every heartbeat itself."""
+RUN_LINE = 5
+"""A run of this many ranks or more with the same report prints as one line."""
+FOLLOW_EVERY = 0.5
+"""A follower looks for its round's outcome this often while the round's second reading may still
+be due (up to 1.5 s after it joined: the round leader reads again :data:`~hybridshard.runtime.faults.peers.FIRST_READ`
+after its first reading, which came before the follower joined), then from shortly before the round's
+``seconds`` end on, 1.5 times longer each time."""
+_PREFIX = "hybridshard/ask"
+_ABSENT = b"\x00absent"
+_ATTEMPTS = 6
+_SECONDS = re.compile(r"( for )(\d+)(s, )")
+_RANK = re.compile(r"\brank (\d+)\b")
+
+
+def follow_slack(seconds: float) -> float:
+    """How much longer than ``seconds`` a follower waits for its leader's outcome."""
+    return max(2.0, seconds)
+
+
+def _series(seconds: float, brief: bool) -> str:
+    return f"{_PREFIX}/{'brief' if brief else 'full'}-{seconds:g}"
+
+
+def _parse(value: bytes) -> tuple[int, str, int]:
+    """``(round, "open" | "closed", its leader)`` from the round key's value; ``(0, "", -1)`` for none."""
+    if not value:
+        return 0, "", -1
+    n, phase, leader = value.decode().split("|")
+    return int(n), phase, int(leader)
+
+
+def shared(s: Any, me: int, world: int, mine: dict[str, Any], seconds: float,
+           while_waiting: Callable[[], None] | None, brief: bool) -> list[Report]:
+    """:func:`~hybridshard.runtime.faults.peers.ask_everyone`'s reading, shared with the ranks asking at
+    the same time (see the note). Raises when the store cannot be reached."""
+    series = _series(seconds, brief)
+    key = f"{series}/round"
+    seen_last = current().found.setdefault("asks", {})
+    last, follows = seen_last.get(series, b""), 0
+    for _ in range(_ATTEMPTS):
+        n = _parse(last)[0]
+        claim = f"{n + 1}|open|{me}".encode()
+        got = s.compare_set(key, last, claim)
+        if got == claim:
+            seen_last[series] = claim
+            return _lead(s, key, f"{series}/{n + 1}", claim, me, world, mine, seconds, while_waiting, brief)
+        if got == last:  # expected a value that is not there (a new store): claim from nothing
+            last = b""
+            continue
+        seen_last[series] = last = got
+        m, phase, leader = _parse(got)
+        if phase == "open" and leader != me and follows < MAX_FOLLOWS:
+            follows += 1
+            out = _follow(s, f"{series}/{m}", me, world, mine, seconds, while_waiting, brief)
+            if out is not None:
+                return out
+            # Its leader died or stalled: the next attempt starts round m+1 (or follows whoever did).
+    seen, lost = peers.observe(s, me, world, seconds, while_waiting)
+    return peers.reports(me, world, mine, seen, lost, seconds, brief)
+
+
+def _lead(s: Any, key: str, outcome_key: str, claim: bytes, me: int, world: int, mine: dict[str, Any],
+          seconds: float, while_waiting: Callable[[], None] | None, brief: bool) -> list[Report]:
+    closed = claim.replace(b"|open|", b"|closed|")
+    done = []
+
+    def close() -> None:  # a follower that gave up on this round may have started the next: leave that
+        s.compare_set(key, claim, closed)
+        done.append(True)
+
+    seen, lost = peers.observe(s, me, world, seconds, while_waiting, on_reread=close)
+    if not done:
+        close()
+    given = peers.reports(me, world, mine, seen, lost, seconds, brief, with_me=True)
+    body = {"lost": peers.runs(sorted(lost)), "reports": compact([r for r in given if r.rank not in lost])}
+    s.set(outcome_key, json.dumps(body, separators=(",", ":")).encode())
+    return [r for r in given if not (brief and r.rank == me)]
+
+
+def _follow(s: Any, outcome_key: str, me: int, world: int, mine: dict[str, Any], seconds: float,
+            while_waiting: Callable[[], None] | None, brief: bool) -> list[Report] | None:
+    """The outcome of the round under ``outcome_key`` as this rank's reports; ``None`` when its leader
+    left none within ``seconds`` + :func:`follow_slack`."""
+    start = time.monotonic()
+    deadline, looks = start + seconds + follow_slack(seconds), 0
+    next_look = start + FOLLOW_EVERY
+    while True:
+        if while_waiting is not None:
+            while_waiting()
+        time.sleep(max(0.01, min(0.25, next_look - time.monotonic())))  # see [Note: few wake-ups]
+        if time.monotonic() < next_look:
+            continue
+        value = s.compare_set(outcome_key, _ABSENT, _ABSENT)  # one operation; no wait for a missing key
+        if value != _ABSENT:
+            return _outcome(value, me, world, mine, seconds, brief)
+        if time.monotonic() >= deadline:
+            logger.debug("no outcome under %s within %.0fs: its leader left or stalled", outcome_key,
+                         time.monotonic() - start)
+            return None
+        looks += 1
+        next_look = time.monotonic() + FOLLOW_EVERY * 1.5 ** max(0, looks - 5)
+        if looks == 3:  # not within the second reading: a counter stood still, the round ends near `seconds`
+            next_look = max(next_look, start + seconds - peers.FIRST_READ + FOLLOW_EVERY)
+        next_look = min(next_look, deadline)
+
+
+def _outcome(value: bytes, me: int, world: int, mine: dict[str, Any], seconds: float, brief: bool) -> list[Report]:
+    body = json.loads(value)
+    lost = {r for lo, hi in body["lost"] for r in range(lo, hi)} - {me}
+    given = {r.rank: r for r in expand(body["reports"])}
+    final = current().final
+    out = []
+    for r in range(world):
+        if r in lost:
+            out.append(peers.lost_report(r, seconds))
+        elif r == me:
+            if brief:
+                continue
+            if final is None or r not in given:
+                out.append(Report(r, mine["state"], mine["text"], tuple(mine.get("ranks", ())), mine.get("call", ""),
+                                  float(mine.get("seconds", 0.0))))
+            else:
+                out.append(given[r])
+        elif r in given:
+            out.append(given[r])
+    return out
+
+
+# -- reports in runs --------------------------------------------------------------------------------
+
+
+def _template(r: Report) -> str:
+    """``r.text`` with its own rank number as ``\\x01`` and its seconds in flight as ``\\x00``."""
+    own = str(r.rank)
+    text = _RANK.sub(lambda m: "rank \x01" if m.group(1) == own else m.group(0), r.text)
+    return _SECONDS.sub("\\g<1>\x00\\g<3>", text, count=1)
+
+
+def _spans(ranks: Any) -> list[list[int]]:
+    """A group as ``[start, stop)`` runs; a ``range`` (a heartbeat's contiguous group) without a walk."""
+    if isinstance(ranks, range) and ranks.step == 1:
+        return [[ranks.start, ranks.stop]] if len(ranks) else []
+    return peers.runs(list(ranks))
+
+
+def _key(r: Report) -> tuple[Any, ...]:
+    return r.state, _template(r), r.call, tuple(map(tuple, _spans(r.ranks)))
+
+
+def _runs_of(reports: list[Report]) -> list[list[Report]]:
+    """``reports`` (by rank) cut into runs of consecutive ranks with the same :func:`_key`."""
+    out: list[list[Report]] = []
+    last: tuple[Any, ...] = ()
+    for r in reports:
+        key = _key(r)
+        if out and out[-1][-1].rank + 1 == r.rank and key == last:
+            out[-1].append(r)
+        else:
+            out.append([r])
+        last = key
+    return out
+
+
+def compact(reports: list[Report]) -> list[list[Any]]:
+    """``reports`` as runs: ``[first rank, stop, state, template, call, group runs, least s, most s]``."""
+    out = []
+    for run in _runs_of(reports):
+        head = run[0]
+        secs = [r.seconds for r in run]
+        out.append([head.rank, run[-1].rank + 1, head.state, _template(head), head.call,
+                    _spans(head.ranks), min(secs), max(secs)])
+    return out
+
+
+def expand(entries: list[list[Any]]) -> list[Report]:
+    """:func:`compact`'s runs back as one :class:`Report` per rank (each with its run's least seconds)."""
+    out = []
+    for lo, hi, state, template, call, spans, least, _ in entries:
+        ranks: Any = range(*spans[0]) if len(spans) == 1 else tuple(r for a, b in spans for r in range(a, b))
+        text = template.replace("\x00", f"{least:.0f}")
+        out += [Report(r, state, text.replace("\x01", str(r)), ranks, call, least) for r in range(lo, hi)]
+    return out
+
+
+def table(reports: list[Report]) -> str:
+    """One line per rank, aligned; a run of :data:`RUN_LINE` ranks or more with the same report (but
+    for the rank's number and its seconds in flight) as one line."""
+    lines = []
+    for run in _runs_of(sorted(reports, key=lambda r: r.rank)):
+        if len(run) < RUN_LINE:
+            lines += [f"  {r.state:>10}  {r.text}" for r in run]
+            continue
+        secs = sorted({f"{r.seconds:.0f}" for r in run}, key=float)
+        text = _template(run[0]).replace("\x00", secs[0] if len(secs) == 1 else f"{secs[0]}-{secs[-1]}")
+        text = text.replace("rank \x01", f"ranks {run[0].rank}-{run[-1].rank}", 1).replace("\x01", "r")
+        lines.append(f"  {run[0].state:>10}  {text}")
+    return "\n".join(lines)
