@@ -140,6 +140,7 @@ class Job:
         for rank, client in enumerate(clients):
             plane = ControlPlane(CountingStore(client), rank, world)
             plane.is_ready = lambda: True
+            plane.watch_main = False  # the process's main thread is no simulated rank's
             plane.on_stop = self._on_stop(rank, plane)
             self.planes.append(plane)
 
@@ -240,6 +241,7 @@ def detect(job: Job, fault_s: float, lag: Lag, victim: int) -> dict[str, float]:
     """Every rank in a collective; the victim's threads stop at t0. Time until every survivor named it."""
     _set_limits(fault_s)
     job.stopped.clear()
+    rounds = {kind: _rounds(job, kind) for kind in ("brief", "full")}
     tokens = job.begin_all(range(job.world))
     t0 = time.monotonic()
     job.planes[victim].found["store"].frozen = True
@@ -256,8 +258,19 @@ def detect(job: Job, fault_s: float, lag: Lag, victim: int) -> dict[str, float]:
     wrong = sorted({job.stopped[r][1].split(": ", 1)[-1][:120] for r in survivors if r in job.stopped and r not in right})
     for text in wrong[:3]:
         print(f"W={job.world}: a survivor did not name rank {victim} alone: {text}")
+    times = sorted(job.stopped[r][0] - t0 for r in right)
     return {"detected": len(right), "survivors": len(survivors), "reported": len(job.stopped), "detect_s": last - t0,
-            "detect_after_check_s": last - t0 - fault_s, "detect_lag_ms": 1e3 * lag.reset()}
+            "detect_after_check_s": last - t0 - fault_s, "detect_lag_ms": 1e3 * lag.reset(),
+            "detect_first_s": times[0] if times else float("nan"),
+            "detect_median_s": times[len(times) // 2] if times else float("nan"),
+            **{f"detect_rounds_{kind}": _rounds(job, kind) - n for kind, n in rounds.items()}}
+
+
+def _rounds(job: Job, kind: str) -> int:
+    """How many rounds the ranks' asks of one kind have taken so far (see [Note: one reading for the ranks
+    asking at once] in :mod:`hybridshard.runtime.faults.asks`): a phase adds one when every asker joined the first."""
+    key = f"hybridshard/ask/{kind}-{peers.REPORT_SECONDS * (1 if kind == 'brief' else 3):g}/round"
+    return int(job.server.get(key).split(b"|")[0]) if job.server.check([key]) else 0
 
 
 def _progress(world: int, text: str) -> None:
@@ -286,7 +299,8 @@ def fault_phases(world: int, fault_s: float, healthy_s: float) -> dict[str, Any]
                              f"{out.get(name + '_lag_ms', float('nan')):.0f} ms; " + ", ".join(
                                  f"{k} {out[k]:.4g}" for k in ("false_reports", "stall_checks", "store_ops_per_check_per_rank",
                                                                "store_multi_get_per_check_per_rank", "detected",
-                                                               "detect_s") if k in out and name in ("stall", "detect")
+                                                               "detect_first_s", "detect_median_s", "detect_s",
+                                                               "detect_rounds_brief", "detect_rounds_full") if k in out and name in ("stall", "detect")
                                  and (k.startswith("detect") == (name == "detect"))))
     finally:
         job.close()

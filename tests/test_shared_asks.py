@@ -210,3 +210,21 @@ def test_compact_runs_expand_to_the_same_reports():
     lines = peers.table(reports).splitlines()
     assert lines[0] == "      failed  ranks 0-11 stopped: rank 12 was lost; so all_reduce failed on rank r (step 3)", lines
     assert len(lines) == 1 + 1 + 3, lines  # runs shorter than RUN_LINE stay one line a rank
+
+
+def test_expanded_reports_carry_the_key_their_text_gives():
+    """A follower's reports come with the key a table groups them by (computing it is two regular
+    expressions a report: W of them on every survivor at once); it must be the key their own text
+    gives, or a follower's table would group ranks the leader's would not."""
+    reports = [peers.Report(r, "collective", f"rank {r}: in all_reduce on world (ranks 0-{r % 3}) for {9 + r}s, rank {r} "
+                            f"step 3", range(0, 40), "", 9.0 + r) for r in range(1, 40)]
+    reports += [peers.Report(40 + r, "collective", f"rank {40 + r}: in all_gather on the shard group (ranks [{r}, 44])"
+                             f" for 5s", (r, 44), "save_checkpoint", 5.0) for r in range(4)]
+    reports.append(peers.Report(44, "raised", "rank 44 raised ValueError: rank 7 sent a batch of 3, expected 4"))
+    expanded = asks.expand(asks.compact(reports))
+    carried = [r.like for r in expanded]
+    assert all(carried), carried
+    for r in expanded:
+        r.like = ()
+    assert [asks._key(r) for r in expanded] == carried
+    assert peers.table(expanded) == peers.table(asks.expand(asks.compact(reports)))

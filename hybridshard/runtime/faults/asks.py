@@ -184,7 +184,9 @@ def _spans(ranks: Any) -> list[list[int]]:
 
 
 def _key(r: Report) -> tuple[Any, ...]:
-    return r.state, _template(r), r.call, tuple(map(tuple, _spans(r.ranks)))
+    if not r.like:
+        r.like = (r.state, _template(r), r.call, tuple(map(tuple, _spans(r.ranks))))
+    return r.like
 
 
 def _runs_of(reports: list[Report]) -> list[list[Report]]:
@@ -218,7 +220,8 @@ def expand(entries: list[list[Any]]) -> list[Report]:
     for lo, hi, state, template, call, spans, least, _ in entries:
         ranks: Any = range(*spans[0]) if len(spans) == 1 else tuple(r for a, b in spans for r in range(a, b))
         text = template.replace("\x00", f"{least:.0f}")
-        out += [Report(r, state, text.replace("\x01", str(r)), ranks, call, least) for r in range(lo, hi)]
+        like = (state, template, call, tuple(map(tuple, spans)))
+        out += [Report(r, state, text.replace("\x01", str(r)), ranks, call, least, like) for r in range(lo, hi)]
     return out
 
 
@@ -231,7 +234,7 @@ def table(reports: list[Report]) -> str:
             lines += [f"  {r.state:>10}  {r.text}" for r in run]
             continue
         secs = sorted({f"{r.seconds:.0f}" for r in run}, key=float)
-        text = _template(run[0]).replace("\x00", secs[0] if len(secs) == 1 else f"{secs[0]}-{secs[-1]}")
+        text = _key(run[0])[1].replace("\x00", secs[0] if len(secs) == 1 else f"{secs[0]}-{secs[-1]}")
         text = text.replace("rank \x01", f"ranks {run[0].rank}-{run[-1].rank}", 1).replace("\x01", "r")
         lines.append(f"  {run[0].state:>10}  {text}")
     return "\n".join(lines)

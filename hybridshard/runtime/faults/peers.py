@@ -92,9 +92,11 @@ def identity() -> tuple[int, int]:
     return plane.found.get("identity", (0, 1))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Report:
-    """What one rank said about itself."""
+    """What one rank said about itself. [Note: reports by the thousand] A fault check hands every rank
+    a report per rank (W of them, on every survivor at once): a plain slotted class is made in a fifth
+    of a frozen dataclass's time, and :attr:`like` keeps the key a table sorts it by, computed once."""
 
     rank: int
     state: str
@@ -108,6 +110,9 @@ class Report:
     """The API call it is in (empty: training)."""
     seconds: float = 0.0
     """How long the collective it is in has been in flight (state ``"collective"``)."""
+    like: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    """What it shares with the reports printed on one line with it (state, text but for its rank and
+    seconds, call, group); empty until :func:`hybridshard.runtime.faults.asks.table` needs it."""
 
 
 def ranks_text(ranks: Any) -> str:
