@@ -129,7 +129,8 @@ class Job:
         self.world = world
         self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=60))
-        self.stopped: dict[int, tuple[float, str]] = {}
+        self.stopped: dict[int, tuple[float, str, float]] = {}
+        """Rank -> (when it stopped, its report, its watchdog thread's CPU seconds then)."""
         # [Note: connecting in parallel] A client's connect now and then takes 5 s here (a retried SYN,
         # seen with either server): thousands of them one after another would take many minutes.
         with concurrent.futures.ThreadPoolExecutor(64) as pool:
@@ -147,7 +148,7 @@ class Job:
     def _on_stop(self, rank: int, plane: ControlPlane) -> Any:
         def stop(status: int) -> None:  # what errors.stop_now does to a process: its report is its last word
             text = (plane.final or {}).get("text", "")
-            self.stopped[rank] = (time.monotonic(), text)
+            self.stopped[rank] = (time.monotonic(), text, time.thread_time())  # the rank's own thread
             plane.stop.set()
         return stop
 
@@ -155,6 +156,19 @@ class Job:
         for plane in self.planes:
             with bound(plane):
                 watchdog.start()
+
+    def cpu(self) -> dict[int, float]:
+        """CPU seconds each running rank's watchdog thread has used: what that rank would spend on a core
+        of its own, apart from the time its thread waited for the interpreter lock (see the lag)."""
+        out = {}
+        for rank, plane in enumerate(self.planes):
+            thread = plane.thread
+            if thread is not None and thread.is_alive() and thread.ident is not None:
+                try:
+                    out[rank] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+                except OSError:  # it ended in between
+                    pass
+        return out
 
     def counts(self) -> tuple[int, int, int]:
         """Operations, operations other than heartbeats, bytes: over every rank."""
@@ -202,6 +216,7 @@ def healthy(job: Job, seconds: float, lag: Lag) -> dict[str, float]:
     in :mod:`hybridshard.runtime.faults.causes`), which a stall phase shows, not this one."""
     _set_limits(None)
     ops0, _, bytes0 = job.counts()
+    cpu0 = job.cpu()
     lag.reset()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -211,7 +226,13 @@ def healthy(job: Job, seconds: float, lag: Lag) -> dict[str, float]:
     ops1, _, bytes1 = job.counts()
     per = job.world * seconds
     return {"store_ops_per_rank_per_s": (ops1 - ops0) / per, "store_bytes_per_rank_per_s": (bytes1 - bytes0) / per,
-            "healthy_lag_ms": 1e3 * lag.reset()}
+            "healthy_lag_ms": 1e3 * lag.reset(), "healthy_cpu_ms_per_rank_per_s": _cpu_ms(cpu0, job.cpu()) / seconds}
+
+
+def _cpu_ms(before: dict[int, float], after: dict[int, float]) -> float:
+    """Mean CPU milliseconds per rank between two :meth:`Job.cpu` readings (ranks in both)."""
+    spent = [after[r] - before[r] for r in before if r in after]
+    return 1e3 * sum(spent) / max(1, len(spent))
 
 
 def stall(job: Job, fault_s: float, lag: Lag) -> dict[str, float]:
@@ -220,12 +241,14 @@ def stall(job: Job, fault_s: float, lag: Lag) -> dict[str, float]:
     tokens = job.begin_all(range(1, job.world))
     ops0, other0, bytes0 = job.counts()
     readings0 = job.readings()
+    cpu0 = job.cpu()
     lag.reset()
     time.sleep(STALL_FACTOR * fault_s)
     deadline = time.monotonic() + 60  # checks that began still finish (the harness may be late)
     while time.monotonic() < deadline and any(p.override is not None for p in job.planes):
         time.sleep(0.1)
     checks = sum(1 for p in job.planes for e in list(p.in_flight.values()) if e.checked)
+    cpu_ms = _cpu_ms(cpu0, job.cpu())
     job.end_all(tokens)
     ops1, other1, bytes1 = job.counts()
     checks = max(checks, 1)
@@ -234,6 +257,7 @@ def stall(job: Job, fault_s: float, lag: Lag) -> dict[str, float]:
             "store_ops_per_check_per_rank": (other1 - other0) / checks + 1,
             "store_multi_get_per_check_per_rank": (job.readings() - readings0) / checks,
             "store_bytes_per_check_per_rank": (bytes1 - bytes0) / checks, "stall_lag_ms": 1e3 * lag.reset(),
+            "stall_cpu_ms_per_rank": cpu_ms,
             "stall_total_ops": ops1 - ops0}
 
 
@@ -243,6 +267,7 @@ def detect(job: Job, fault_s: float, lag: Lag, victim: int) -> dict[str, float]:
     job.stopped.clear()
     rounds = {kind: _rounds(job, kind) for kind in ("brief", "full")}
     tokens = job.begin_all(range(job.world))
+    cpu0 = job.cpu()
     t0 = time.monotonic()
     job.planes[victim].found["store"].frozen = True
     job.planes[victim].stop.set()
@@ -259,10 +284,13 @@ def detect(job: Job, fault_s: float, lag: Lag, victim: int) -> dict[str, float]:
     for text in wrong[:3]:
         print(f"W={job.world}: a survivor did not name rank {victim} alone: {text}")
     times = sorted(job.stopped[r][0] - t0 for r in right)
+    cpu = sorted(job.stopped[r][2] - cpu0[r] for r in right if r in cpu0)
     return {"detected": len(right), "survivors": len(survivors), "reported": len(job.stopped), "detect_s": last - t0,
             "detect_after_check_s": last - t0 - fault_s, "detect_lag_ms": 1e3 * lag.reset(),
             "detect_first_s": times[0] if times else float("nan"),
             "detect_median_s": times[len(times) // 2] if times else float("nan"),
+            "detect_cpu_ms_per_rank": 1e3 * sum(cpu) / max(1, len(cpu)),
+            "detect_cpu_ms_max_rank": 1e3 * cpu[-1] if cpu else float("nan"),
             **{f"detect_rounds_{kind}": _rounds(job, kind) - n for kind, n in rounds.items()}}
 
 
@@ -299,7 +327,8 @@ def fault_phases(world: int, fault_s: float, healthy_s: float) -> dict[str, Any]
                              f"{out.get(name + '_lag_ms', float('nan')):.0f} ms; " + ", ".join(
                                  f"{k} {out[k]:.4g}" for k in ("false_reports", "stall_checks", "store_ops_per_check_per_rank",
                                                                "store_multi_get_per_check_per_rank", "detected",
-                                                               "detect_first_s", "detect_median_s", "detect_s",
+                                                               "stall_cpu_ms_per_rank", "detect_first_s", "detect_median_s",
+                                                               "detect_s", "detect_cpu_ms_per_rank",
                                                                "detect_rounds_brief", "detect_rounds_full") if k in out and name in ("stall", "detect")
                                  and (k.startswith("detect") == (name == "detect"))))
     finally:

@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -52,7 +53,7 @@ def env_seconds(name: str, default: float) -> float:
         return default
 
 __all__ = ["FIRST_READ", "env_seconds", "REPORT_SECONDS", "Report", "ask_everyone", "beat", "exchange", "identity", "lost_report",
-           "observe", "publish", "published", "ranks_text", "reports", "runs", "store", "table"]
+           "having", "observe", "publish", "published", "ranks_text", "reports", "runs", "store", "table"]
 
 REPORT_SECONDS = 3.0
 """How long a rank's heartbeat may stand still before it is named lost."""
@@ -334,7 +335,14 @@ def reports(me: int, world: int, mine: dict[str, Any], seen: dict[int, bytes], l
     return out
 
 
-def table(reports: list[Report]) -> str:
+def having(reports: Iterable[Report], states: Iterable[str]) -> list[Report]:
+    """The reports in one of ``states``, in rank order (see :func:`hybridshard.runtime.faults.asks.having`)."""
+    from hybridshard.runtime.faults import asks  # it builds on this module
+
+    return asks.having(reports, states)
+
+
+def table(reports: Iterable[Report]) -> str:
     """One line per rank, aligned, long runs of ranks alike as one line: what the hang report and fault
     messages print (see :func:`hybridshard.runtime.faults.asks.table`)."""
     from hybridshard.runtime.faults import asks  # it builds on this module
