@@ -86,18 +86,28 @@ def _at_exit() -> None:
     me, world = peers.identity()
     if world == 1:
         return
+    same_steps = f"done-after-{where.step}"
+    peers.tally(same_steps, 1)  # before "done": a rank counted as done is already counted under its steps
     peers.publish("done", f"rank {me} finished after {where.step} steps")
     deadline = time.monotonic() + exit_wait_seconds()
     while time.monotonic() < deadline:
-        done = peers.published("done", list(range(world)))
-        raised = peers.published("raised", list(range(world)))
-        if done is None or raised is None:
+        # [Note: finishing at scale] Three counts, one store operation each, tell whether every rank
+        # finished or raised and whether the finished ones all took this rank's steps; only a job whose
+        # counts disagree reads every rank's heartbeat (W keys) to say who finished where. A rank adds
+        # to its steps' count before the done count and the counts are read the other way round, so a
+        # rank counted done is always counted under its steps too: ``same >= done`` when they agree.
+        # The heartbeats have the last word before anyone is stopped.
+        done, raised, same = peers.tally("done"), peers.tally("raised"), peers.tally(same_steps)
+        if done is None or raised is None or same is None:
             return  # the store is gone (its host exited): nothing more to learn
-        if len(done) + len(raised) == world:
-            counts = {text.rsplit(" after ", 1)[-1] for text in done.values()}
-            if len(counts) <= 1:
+        if done + raised >= world:
+            if same >= done:
                 return
-            _leave_out_of_step("the ranks finished after different numbers of steps", sorted(done.values()))
+            texts = peers.published("done", list(range(world)))
+            if texts is None:
+                return
+            if len({text.rsplit(" after ", 1)[-1] for text in texts.values()}) > 1:
+                _leave_out_of_step("the ranks finished after different numbers of steps", sorted(texts.values()))
         reports = peers.ask_everyone(my_status(), seconds=2.0)
         if reports is None:
             return

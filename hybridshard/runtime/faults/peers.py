@@ -34,6 +34,7 @@ from hybridshard.runtime.faults.rank_state import current
 logger = logging.getLogger(__name__)
 
 _WARNED: set[str] = set()
+_TALLY = "hybridshard/tally/"
 
 
 def env_seconds(name: str, default: float) -> float:
@@ -53,7 +54,7 @@ def env_seconds(name: str, default: float) -> float:
         return default
 
 __all__ = ["FIRST_READ", "env_seconds", "REPORT_SECONDS", "Report", "ask_everyone", "beat", "exchange", "identity", "lost_report",
-           "having", "observe", "publish", "published", "ranks_text", "reports", "runs", "store", "table"]
+           "having", "observe", "publish", "published", "ranks_text", "reports", "runs", "store", "table", "tally"]
 
 REPORT_SECONDS = 3.0
 """How long a rank's heartbeat may stand still before it is named lost."""
@@ -182,12 +183,29 @@ def publish(kind: str, text: str) -> None:
     s = store()
     if s is None:
         return
+    counted = plane.final is not None and plane.final["state"] == kind
     plane.final = {"state": kind, "text": text}
     plane.beats += 1
     try:
         s.set(_key(identity()[0]), _encode(plane.beats, plane.final))
+        if not counted:  # after the heartbeat: a rank counted has said what it did; once a kind
+            s.add(_TALLY + kind, 1)
     except Exception:  # noqa: BLE001 - the store may be gone too; the local error still stands
         logger.debug("could not publish %s to the store", kind, exc_info=True)
+
+
+def tally(name: str, add: int = 0) -> int | None:
+    """The job-wide count ``name`` after adding ``add``, in one store operation: how many ranks
+    published each kind (``"done"``, ``"raised"``, ``"failed"``) and other counts a rank keeps with
+    :func:`tally` itself. ``None`` when the store cannot be reached."""
+    s = store()
+    if s is None:
+        return None
+    try:
+        return int(s.add(_TALLY + name, add))
+    except Exception:  # noqa: BLE001
+        logger.debug("could not read the count %s", name, exc_info=True)
+        return None
 
 
 def _present(s: Any, ranks: list[int], keys: list[str] | None = None) -> list[int]:
