@@ -19,6 +19,7 @@ simulated rank's thread saw on top of the control plane's own time.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import sys
@@ -29,11 +30,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hybridshard.runtime.faults import peers, watchdog
+from hybridshard.runtime.faults import asks, peers, watchdog
 from hybridshard.runtime.faults.rank_state import ControlPlane, bound
 
 STALL_FACTOR = 1.5
 """The stall is 90 s against the default HYBRIDSHARD_FAULT_SECONDS of 60: scaled alike."""
+SWITCH_INTERVAL = 0.05
+"""Seconds a thread holds the interpreter lock before one waiting may take it (Python's default 0.005).
+[Note: a thousand ranks under one lock] With a thousand rank threads waiting, every waiter wakes each
+interval to ask for the lock, and a follower's few milliseconds of work are cut into turns: at 1,024
+ranks the default gave a detect phase 4.3 s of lag and 20.6 ms of CPU per rank, 0.05 s gave 1.7 s and
+10.0 ms (one run each). A rank of a real job is a process of its own with a few threads."""
 
 
 class CountingStore:
@@ -129,7 +136,8 @@ class Job:
         self.world = world
         self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=60))
-        self.stopped: dict[int, tuple[float, str]] = {}
+        self.stopped: dict[int, tuple[float, str, float]] = {}
+        """Rank -> (when it stopped, its report, its watchdog thread's CPU seconds then)."""
         # [Note: connecting in parallel] A client's connect now and then takes 5 s here (a retried SYN,
         # seen with either server): thousands of them one after another would take many minutes.
         with concurrent.futures.ThreadPoolExecutor(64) as pool:
@@ -140,13 +148,14 @@ class Job:
         for rank, client in enumerate(clients):
             plane = ControlPlane(CountingStore(client), rank, world)
             plane.is_ready = lambda: True
+            plane.watch_main = False  # the process's main thread is no simulated rank's
             plane.on_stop = self._on_stop(rank, plane)
             self.planes.append(plane)
 
     def _on_stop(self, rank: int, plane: ControlPlane) -> Any:
         def stop(status: int) -> None:  # what errors.stop_now does to a process: its report is its last word
             text = (plane.final or {}).get("text", "")
-            self.stopped[rank] = (time.monotonic(), text)
+            self.stopped[rank] = (time.monotonic(), text, time.thread_time())  # the rank's own thread
             plane.stop.set()
         return stop
 
@@ -154,6 +163,19 @@ class Job:
         for plane in self.planes:
             with bound(plane):
                 watchdog.start()
+
+    def cpu(self) -> dict[int, float]:
+        """CPU seconds each running rank's watchdog thread has used: what that rank would spend on a core
+        of its own, apart from the time its thread waited for the interpreter lock (see the lag)."""
+        out = {}
+        for rank, plane in enumerate(self.planes):
+            thread = plane.thread
+            if thread is not None and thread.is_alive() and thread.ident is not None:
+                try:
+                    out[rank] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+                except OSError:  # it ended in between
+                    pass
+        return out
 
     def counts(self) -> tuple[int, int, int]:
         """Operations, operations other than heartbeats, bytes: over every rank."""
@@ -201,6 +223,7 @@ def healthy(job: Job, seconds: float, lag: Lag) -> dict[str, float]:
     in :mod:`hybridshard.runtime.faults.causes`), which a stall phase shows, not this one."""
     _set_limits(None)
     ops0, _, bytes0 = job.counts()
+    cpu0 = job.cpu()
     lag.reset()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -210,7 +233,13 @@ def healthy(job: Job, seconds: float, lag: Lag) -> dict[str, float]:
     ops1, _, bytes1 = job.counts()
     per = job.world * seconds
     return {"store_ops_per_rank_per_s": (ops1 - ops0) / per, "store_bytes_per_rank_per_s": (bytes1 - bytes0) / per,
-            "healthy_lag_ms": 1e3 * lag.reset()}
+            "healthy_lag_ms": 1e3 * lag.reset(), "healthy_cpu_ms_per_rank_per_s": _cpu_ms(cpu0, job.cpu()) / seconds}
+
+
+def _cpu_ms(before: dict[int, float], after: dict[int, float]) -> float:
+    """Mean CPU milliseconds per rank between two :meth:`Job.cpu` readings (ranks in both)."""
+    spent = [after[r] - before[r] for r in before if r in after]
+    return 1e3 * sum(spent) / max(1, len(spent))
 
 
 def stall(job: Job, fault_s: float, lag: Lag) -> dict[str, float]:
@@ -219,12 +248,14 @@ def stall(job: Job, fault_s: float, lag: Lag) -> dict[str, float]:
     tokens = job.begin_all(range(1, job.world))
     ops0, other0, bytes0 = job.counts()
     readings0 = job.readings()
+    cpu0 = job.cpu()
     lag.reset()
     time.sleep(STALL_FACTOR * fault_s)
     deadline = time.monotonic() + 60  # checks that began still finish (the harness may be late)
     while time.monotonic() < deadline and any(p.override is not None for p in job.planes):
         time.sleep(0.1)
     checks = sum(1 for p in job.planes for e in list(p.in_flight.values()) if e.checked)
+    cpu_ms = _cpu_ms(cpu0, job.cpu())
     job.end_all(tokens)
     ops1, other1, bytes1 = job.counts()
     checks = max(checks, 1)
@@ -233,6 +264,7 @@ def stall(job: Job, fault_s: float, lag: Lag) -> dict[str, float]:
             "store_ops_per_check_per_rank": (other1 - other0) / checks + 1,
             "store_multi_get_per_check_per_rank": (job.readings() - readings0) / checks,
             "store_bytes_per_check_per_rank": (bytes1 - bytes0) / checks, "stall_lag_ms": 1e3 * lag.reset(),
+            "stall_cpu_ms_per_rank": cpu_ms,
             "stall_total_ops": ops1 - ops0}
 
 
@@ -240,7 +272,9 @@ def detect(job: Job, fault_s: float, lag: Lag, victim: int) -> dict[str, float]:
     """Every rank in a collective; the victim's threads stop at t0. Time until every survivor named it."""
     _set_limits(fault_s)
     job.stopped.clear()
+    rounds = {kind: _rounds(job, kind) for kind in ("brief", "full")}
     tokens = job.begin_all(range(job.world))
+    cpu0 = job.cpu()
     t0 = time.monotonic()
     job.planes[victim].found["store"].frozen = True
     job.planes[victim].stop.set()
@@ -256,8 +290,47 @@ def detect(job: Job, fault_s: float, lag: Lag, victim: int) -> dict[str, float]:
     wrong = sorted({job.stopped[r][1].split(": ", 1)[-1][:120] for r in survivors if r in job.stopped and r not in right})
     for text in wrong[:3]:
         print(f"W={job.world}: a survivor did not name rank {victim} alone: {text}")
+    times = sorted(job.stopped[r][0] - t0 for r in right)
+    cpu = sorted(job.stopped[r][2] - cpu0[r] for r in right if r in cpu0)
     return {"detected": len(right), "survivors": len(survivors), "reported": len(job.stopped), "detect_s": last - t0,
-            "detect_after_check_s": last - t0 - fault_s, "detect_lag_ms": 1e3 * lag.reset()}
+            "detect_after_check_s": last - t0 - fault_s, "detect_lag_ms": 1e3 * lag.reset(),
+            "detect_first_s": times[0] if times else float("nan"),
+            "detect_median_s": times[len(times) // 2] if times else float("nan"),
+            "detect_cpu_ms_per_rank": 1e3 * sum(cpu) / max(1, len(cpu)),
+            "detect_cpu_ms_max_rank": 1e3 * cpu[-1] if cpu else float("nan"),
+            **{f"detect_rounds_{kind}": _rounds(job, kind) - n for kind, n in rounds.items()}}
+
+
+def _rounds(job: Job, kind: str) -> int:
+    """How many rounds the ranks' asks of one kind have taken so far (see [Note: one reading for the ranks
+    asking at once] in :mod:`hybridshard.runtime.faults.asks`): a phase adds one when every asker joined the first."""
+    key = f"hybridshard/ask/{kind}-{peers.REPORT_SECONDS * (1 if kind == 'brief' else 3):g}/round"
+    return int(job.server.get(key).split(b"|")[0]) if job.server.check([key]) else 0
+
+
+def follower_cost(world: int, repeats: int = 15) -> dict[str, float]:
+    """CPU milliseconds one survivor spends on a full round's outcome at ``world`` ranks, alone on a core
+    (best of ``repeats``): the reports read from the outcome's runs and the table printed from them, as a
+    follower does ([Note: a follower's reports] in :mod:`hybridshard.runtime.faults.asks`), against every
+    rank's report made one by one first. One rank lost, the others blocked in one collective."""
+    mine = {"state": "collective", "text": f"rank 5: in all_reduce on world (ranks 0-{world - 1}) for 12s, step 3",
+            "ranks": list(range(world)), "seconds": 12.0}
+    given = [peers.Report(r, "collective", f"rank {r}: in all_reduce on world (ranks 0-{world - 1}) for {12 + r % 3}s, "
+                          "step 3", range(world), "", 12.0 + r % 3) for r in range(1, world)]
+    value = json.dumps({"lost": [[0, 1]], "reports": asks.compact(given)}, separators=(",", ":")).encode()
+    plane = ControlPlane(object(), 5, world)
+    best = {"runs": float("inf"), "made": float("inf")}
+    with bound(plane):
+        for _ in range(repeats):
+            for way in best:
+                t = time.thread_time()
+                reports = asks._outcome(value, 5, world, mine, 9.0, brief=False)
+                if way == "made":
+                    reports = list(reports)
+                peers.having(reports, ("raised", "failed", "done", "lost"))
+                peers.table(reports)
+                best[way] = min(best[way], time.thread_time() - t)
+    return {"follower_ms": 1e3 * best["runs"], "follower_made_ms": 1e3 * best["made"]}
 
 
 def _progress(world: int, text: str) -> None:
@@ -272,9 +345,11 @@ def fault_phases(world: int, fault_s: float, healthy_s: float) -> dict[str, Any]
     job = Job(world)
     job.start()
     out["start_s"] = time.monotonic() - t
-    # The phases set the fault limits in os.environ; a caller's own (a test run in the same process,
-    # whose later subprocesses inherit them) are put back after.
+    # The phases set the fault limits in os.environ and the switch interval; a caller's own (a test
+    # run in the same process, whose later subprocesses inherit them) are put back after.
     saved = {k: os.environ.get(k) for k in ("HYBRIDSHARD_FAULT_SECONDS", "HYBRIDSHARD_HANG_SECONDS")}
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL)  # see [Note: a thousand ranks under one lock]
     try:
         _progress(world, f"{world} ranks started in {out['start_s']:.1f}s")
         time.sleep(2.0)  # every rank beat once
@@ -286,11 +361,14 @@ def fault_phases(world: int, fault_s: float, healthy_s: float) -> dict[str, Any]
                              f"{out.get(name + '_lag_ms', float('nan')):.0f} ms; " + ", ".join(
                                  f"{k} {out[k]:.4g}" for k in ("false_reports", "stall_checks", "store_ops_per_check_per_rank",
                                                                "store_multi_get_per_check_per_rank", "detected",
-                                                               "detect_s") if k in out and name in ("stall", "detect")
+                                                               "stall_cpu_ms_per_rank", "detect_first_s", "detect_median_s",
+                                                               "detect_s", "detect_cpu_ms_per_rank",
+                                                               "detect_rounds_brief", "detect_rounds_full") if k in out and name in ("stall", "detect")
                                  and (k.startswith("detect") == (name == "detect"))))
     finally:
         job.close()
         lag.stop()
+        sys.setswitchinterval(interval)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, also when loaded by path (tests)
 
-from control_plane_ranks import fault_phases  # noqa: E402
+from control_plane_ranks import fault_phases, follower_cost  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "nvml" / "dgx_h100_nvswitch.json"
 RANKS_PER_NODE = 8
@@ -184,6 +184,7 @@ def run(world: int, fault_s: float, healthy_s: float, faults: bool, layout: str 
     out: dict[str, Any] = {"world": world, "layout": layout, "fault_seconds": fault_s}
     out.update(init_and_checkpoint(world, layout))
     out.update(step_check_model(world))
+    out.update(follower_cost(world))
     if not faults:
         return out
     out.update(fault_phases(world, fault_s, healthy_s))

@@ -4,6 +4,7 @@ with its own control plane, on one in-memory store that counts what each rank as
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import Counter
@@ -210,3 +211,89 @@ def test_compact_runs_expand_to_the_same_reports():
     lines = peers.table(reports).splitlines()
     assert lines[0] == "      failed  ranks 0-11 stopped: rank 12 was lost; so all_reduce failed on rank r (step 3)", lines
     assert len(lines) == 1 + 1 + 3, lines  # runs shorter than RUN_LINE stay one line a rank
+
+
+def test_expanded_reports_carry_the_key_their_text_gives():
+    """A follower's reports come with the key a table groups them by (computing it is two regular
+    expressions a report: W of them on every survivor at once); it must be the key their own text
+    gives, or a follower's table would group ranks the leader's would not."""
+    reports = [peers.Report(r, "collective", f"rank {r}: in all_reduce on world (ranks 0-{r % 3}) for {9 + r}s, rank {r} "
+                            f"step 3", range(0, 40), "", 9.0 + r) for r in range(1, 40)]
+    reports += [peers.Report(40 + r, "collective", f"rank {40 + r}: in all_gather on the shard group (ranks [{r}, 44])"
+                             f" for 5s", (r, 44), "save_checkpoint", 5.0) for r in range(4)]
+    reports.append(peers.Report(44, "raised", "rank 44 raised ValueError: rank 7 sent a batch of 3, expected 4"))
+    expanded = asks.expand(asks.compact(reports))
+    carried = [r.like for r in expanded]
+    assert all(carried), carried
+    for r in expanded:
+        r.like = ()
+    assert [asks._key(r) for r in expanded] == carried
+    assert peers.table(expanded) == peers.table(asks.expand(asks.compact(reports)))
+
+
+def _outcome_made_one_by_one(value, me, world, mine, seconds, brief):
+    """A round's outcome as a list of every rank's report, each made (the reference for :class:`asks.Reports`)."""
+    import json
+
+    from hybridshard.runtime.faults.rank_state import current
+
+    body = json.loads(value)
+    lost = {r for lo, hi in body["lost"] for r in range(lo, hi)} - {me}
+    given = {r.rank: r for r in asks.expand(body["reports"])}
+    out = []
+    for r in range(world):
+        if r in lost:
+            out.append(peers.lost_report(r, seconds))
+        elif r == me:
+            if brief:
+                continue
+            if current().final is None or r not in given:
+                out.append(peers.Report(r, mine["state"], mine["text"], tuple(mine.get("ranks", ())),
+                                        mine.get("call", ""), float(mine.get("seconds", 0.0))))
+            else:
+                out.append(given[r])
+        elif r in given:
+            out.append(given[r])
+    return out
+
+
+@pytest.mark.parametrize("me", [0, 3, 11, 12, 17, 39])
+@pytest.mark.parametrize("brief", [False, True])
+@pytest.mark.parametrize("final", [None, {"state": "failed", "text": "rank x stopped"}])
+def test_a_followers_reports_read_from_runs_are_the_reports_made_one_by_one(me, brief, final):
+    """What a follower reads from its round's runs (iteration, indexing, :func:`asks.having`, the
+    table) equals what making every rank's report gives, wherever its own rank falls: first, inside or
+    at the edge of a run, lost, alone in one."""
+    world = 40
+    reports = [peers.Report(r, "collective", f"rank {r}: in all_reduce on world (ranks 0-39) for {9 + r % 2}s, step 3",
+                            range(40),
+                            "", 9.0 + r % 2) for r in range(0, 12)]
+    reports += [peers.Report(r, "failed", f"rank {r} stopped: rank 12 was lost", (), "", 0.0) for r in range(13, 17)]
+    reports.append(peers.Report(17, "raised", "rank 17 raised ValueError: bad batch"))
+    reports += [peers.Report(r, "done", f"rank {r} finished after 3 steps") for r in range(18, 39)]
+    body = {"lost": peers.runs([12, 39]), "reports": asks.compact(reports)}
+    value = __import__("json").dumps(body, separators=(",", ":")).encode()
+    mine = {"state": "collective", "text": f"rank {me}: in all_reduce on world (ranks 0-39) for 9s, mine",
+            "ranks": list(range(40)), "seconds": 9.0}
+    plane = ControlPlane(object(), me, world)
+    plane.final = final
+    with bound(plane):
+        got = asks._outcome(value, me, world, mine, 9.0, brief)
+        want = _outcome_made_one_by_one(value, me, world, mine, 9.0, brief)
+        tables = peers.table(asks._outcome(value, me, world, mine, 9.0, brief)), peers.table(want)
+
+    def fields(r):
+        return r.rank, r.state, r.text, list(r.ranks), r.call, r.seconds
+
+    assert isinstance(got, asks.Reports) and len(got) == len(want)
+    assert [fields(r) for r in got] == [fields(r) for r in want]
+    assert fields(got[len(want) // 2]) == fields(want[len(want) // 2])
+    for states in (("lost",), ("raised", "done"), ("raised", "failed", "done", "lost"), ("collective",)):
+        assert [fields(r) for r in peers.having(got, states)] == [fields(r) for r in want if r.state in states]
+    assert tables[0] == tables[1], tables
+    present = {r.rank: r.state for r in want}
+    for line in tables[0].splitlines():  # a line for a run covers ranks that are all there, all alike
+        state, _, text = line.strip().partition("  ")
+        run = re.match(r"ranks (\d+)-(\d+)", text.strip())
+        if run:
+            assert all(present.get(r) == state for r in range(int(run[1]), int(run[2]) + 1)), (line, tables[0])

@@ -26,6 +26,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Callable
 
 from hybridshard.runtime.faults import peers
@@ -34,7 +35,7 @@ from hybridshard.runtime.faults.rank_state import current
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_FOLLOWS", "RUN_LINE", "compact", "expand", "follow_slack", "shared", "table"]
+__all__ = ["MAX_FOLLOWS", "RUN_LINE", "Reports", "compact", "expand", "follow_slack", "having", "shared", "table"]
 
 MAX_FOLLOWS = 2
 """Rounds an asker follows without an outcome before it reads every heartbeat itself."""
@@ -144,26 +145,89 @@ def _follow(s: Any, outcome_key: str, me: int, world: int, mine: dict[str, Any],
         next_look = min(next_look, deadline)
 
 
-def _outcome(value: bytes, me: int, world: int, mine: dict[str, Any], seconds: float, brief: bool) -> list[Report]:
+def _outcome(value: bytes, me: int, world: int, mine: dict[str, Any], seconds: float, brief: bool) -> Reports:
+    """A round's outcome as this rank's reports: the lost ranks, the leader's runs, and this rank's own
+    answer in place of its run's (unless it published its end: then the run's; ``brief``: none)."""
     body = json.loads(value)
-    lost = {r for lo, hi in body["lost"] for r in range(lo, hi)} - {me}
-    given = {r.rank: r for r in expand(body["reports"])}
-    final = current().final
-    out = []
-    for r in range(world):
-        if r in lost:
-            out.append(peers.lost_report(r, seconds))
-        elif r == me:
-            if brief:
-                continue
-            if final is None or r not in given:
-                out.append(Report(r, mine["state"], mine["text"], tuple(mine.get("ranks", ())), mine.get("call", ""),
-                                  float(mine.get("seconds", 0.0))))
+    parts: list[tuple[int, int, Any]] = [(r, r + 1, peers.lost_report(r, seconds))
+                                         for lo, hi in body["lost"] for r in range(lo, hi) if r != me]
+    final, entries = current().final, body["reports"]
+    keep_mine = not brief and final is not None and any(e[0] <= me < e[1] for e in entries)
+    for entry in entries:
+        lo, hi = entry[0], entry[1]
+        if keep_mine or not lo <= me < hi:
+            parts.append((lo, hi, entry))
+            continue
+        parts += [(a, b, entry) for a, b in ((lo, me), (me + 1, hi)) if a < b]
+    if not brief and not keep_mine:
+        parts.append((me, me + 1, Report(me, mine["state"], mine["text"], tuple(mine.get("ranks", ())),
+                                         mine.get("call", ""), float(mine.get("seconds", 0.0)))))
+    return Reports(sorted(parts, key=lambda part: part[0]))
+
+
+class Reports(Sequence[Report]):
+    """One :class:`Report` per rank, in rank order, kept as a round's outcome gave them: runs of ranks
+    alike, made into reports only when read one by one. [Note: a follower's reports] Every survivor of a
+    failure follows the same round, and making its W reports was most of its work (W of them on each of W
+    ranks); :func:`having` and :func:`table` read the runs instead, so a follower's message costs a scan
+    of the runs."""
+
+    def __init__(self, parts: list[tuple[int, int, Any]]) -> None:
+        self._parts = parts
+        """``(first rank, stop, a Report)`` for one rank, ``(first rank, stop, an entry of compact())`` for a run."""
+        self._made: list[Report] | None = None
+
+    def __len__(self) -> int:
+        return sum(hi - lo for lo, hi, _ in self._parts)
+
+    def __iter__(self) -> Iterator[Report]:
+        if self._made is not None:
+            return iter(self._made)
+        return (r for lo, hi, part in self._parts for r in _made(lo, hi, part))
+
+    def __getitem__(self, index: Any) -> Any:
+        if self._made is None:
+            self._made = list(iter(self))
+        return self._made[index]
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, Reports)) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Reports({list(self)!r})"
+
+    def having(self, states: Iterable[str]) -> list[Report]:
+        states = set(states)
+        return [r for lo, hi, part in self._parts if _state(part) in states for r in _made(lo, hi, part)]
+
+    def segments(self) -> list[tuple[int, int, tuple[Any, ...], set[str], Any]]:
+        """``(first rank, stop, key, its seconds as printed, the part)`` per part, for :func:`table`."""
+        out = []
+        for lo, hi, part in self._parts:
+            if isinstance(part, Report):
+                out.append((lo, hi, _key(part), {f"{part.seconds:.0f}"}, part))
             else:
-                out.append(given[r])
-        elif r in given:
-            out.append(given[r])
-    return out
+                out.append((lo, hi, _entry_key(part), {f"{part[6]:.0f}"}, part))
+        return out
+
+
+def _state(part: Any) -> str:
+    return part.state if isinstance(part, Report) else part[2]
+
+
+def _made(lo: int, hi: int, part: Any) -> list[Report]:
+    """The reports of ranks ``lo``..``hi - 1`` of one part of :class:`Reports`."""
+    return [part] if isinstance(part, Report) else expand([[lo, hi, *part[2:]]])
+
+
+def having(reports: Iterable[Report], states: Iterable[str]) -> list[Report]:
+    """The reports in one of ``states``, in rank order; from the runs of a round's :class:`Reports`."""
+    if isinstance(reports, Reports):
+        return reports.having(states)
+    states = set(states)
+    return [r for r in reports if r.state in states]
 
 
 # -- reports in runs --------------------------------------------------------------------------------
@@ -184,7 +248,9 @@ def _spans(ranks: Any) -> list[list[int]]:
 
 
 def _key(r: Report) -> tuple[Any, ...]:
-    return r.state, _template(r), r.call, tuple(map(tuple, _spans(r.ranks)))
+    if not r.like:
+        r.like = (r.state, _template(r), r.call, tuple(map(tuple, _spans(r.ranks))))
+    return r.like
 
 
 def _runs_of(reports: list[Report]) -> list[list[Report]]:
@@ -199,6 +265,11 @@ def _runs_of(reports: list[Report]) -> list[list[Report]]:
             out.append([r])
         last = key
     return out
+
+
+def _entry_key(entry: list[Any]) -> tuple[Any, ...]:
+    """:func:`_key` of every report of a :func:`compact` entry."""
+    return entry[2], entry[3], entry[4], tuple(map(tuple, entry[5]))
 
 
 def compact(reports: list[Report]) -> list[list[Any]]:
@@ -218,20 +289,33 @@ def expand(entries: list[list[Any]]) -> list[Report]:
     for lo, hi, state, template, call, spans, least, _ in entries:
         ranks: Any = range(*spans[0]) if len(spans) == 1 else tuple(r for a, b in spans for r in range(a, b))
         text = template.replace("\x00", f"{least:.0f}")
-        out += [Report(r, state, text.replace("\x01", str(r)), ranks, call, least) for r in range(lo, hi)]
+        like = _entry_key([lo, hi, state, template, call, spans])
+        out += [Report(r, state, text.replace("\x01", str(r)), ranks, call, least, like) for r in range(lo, hi)]
     return out
 
 
-def table(reports: list[Report]) -> str:
+def table(reports: Iterable[Report]) -> str:
     """One line per rank, aligned; a run of :data:`RUN_LINE` ranks or more with the same report (but
     for the rank's number and its seconds in flight) as one line."""
+    if isinstance(reports, Reports):
+        segments = reports.segments()
+    else:
+        segments = [(r.rank, r.rank + 1, _key(r), {f"{r.seconds:.0f}"}, r) for r in sorted(reports, key=lambda r: r.rank)]
+    groups: list[list[Any]] = []  # [first rank, stop, key, seconds, parts]
+    for lo, hi, key, secs, part in segments:
+        if groups and groups[-1][1] == lo and groups[-1][2] == key:
+            groups[-1][1] = hi
+            groups[-1][3] |= secs
+            groups[-1][4].append((lo, hi, part))
+        else:
+            groups.append([lo, hi, key, set(secs), [(lo, hi, part)]])
     lines = []
-    for run in _runs_of(sorted(reports, key=lambda r: r.rank)):
-        if len(run) < RUN_LINE:
-            lines += [f"  {r.state:>10}  {r.text}" for r in run]
+    for lo, hi, key, secs, parts in groups:
+        if hi - lo < RUN_LINE:
+            lines += [f"  {r.state:>10}  {r.text}" for a, b, part in parts for r in _made(a, b, part)]
             continue
-        secs = sorted({f"{r.seconds:.0f}" for r in run}, key=float)
-        text = _template(run[0]).replace("\x00", secs[0] if len(secs) == 1 else f"{secs[0]}-{secs[-1]}")
-        text = text.replace("rank \x01", f"ranks {run[0].rank}-{run[-1].rank}", 1).replace("\x01", "r")
-        lines.append(f"  {run[0].state:>10}  {text}")
+        shown = sorted(secs, key=float)
+        text = key[1].replace("\x00", shown[0] if len(shown) == 1 else f"{shown[0]}-{shown[-1]}")
+        text = text.replace("rank \x01", f"ranks {lo}-{hi - 1}", 1).replace("\x01", "r")
+        lines.append(f"  {key[0]:>10}  {text}")
     return "\n".join(lines)

@@ -102,9 +102,8 @@ def collective_failed(kind: str, group_label: str, group: dist.ProcessGroup | No
 
 def _cause(me: int, mine: str, where: str, reports: list[peers.Report], seconds: float) -> str | None:
     """The first line's cause: a rank that raised, left, or was lost; ``None`` when every rank is alive."""
-    raised = [r for r in reports if r.state == "raised"]
-    done = [r for r in reports if r.state == "done"]
-    lost = [r.rank for r in reports if r.state == "lost"]
+    raised, done = peers.having(reports, ("raised",)), peers.having(reports, ("done",))
+    lost = [r.rank for r in peers.having(reports, ("lost",))]
     if raised:
         return f"{raised[0].text}; so {mine} failed on rank {me} ({where})."
     if done:
@@ -137,7 +136,7 @@ def peers_gone(kind: str, group_label: str, ranks: list[int], where: str, in_fli
         reports = peers.ask_everyone(mine, seconds=seconds, while_waiting=while_waiting, brief=brief)
         if reports is None:
             return _kept_cause(me, kind, group_label, ranks, where, in_flight)
-        gone = [r for r in reports if r.rank in group and r.rank != me and r.state in _GONE]
+        gone = [r for r in peers.having(reports, _GONE) if r.rank in group and r.rank != me]
         if not gone:
             return None
         if any(r.state != "lost" for r in gone):

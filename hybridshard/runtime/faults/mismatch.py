@@ -30,6 +30,7 @@ import time
 from typing import Any, Callable
 
 from hybridshard.runtime.faults import errors, peers
+from hybridshard.runtime.faults.rank_state import current
 from hybridshard.runtime.trace.entry_points import Blocked, MainThreadWatch
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class MismatchWatch:
 
     def poll(self, pending: list[Any]) -> Blocked | None:
         """Look at the main thread, publish or read as the note says; stops the process on a mismatch."""
+        if not current().watch_main:
+            return None
         limit = mismatch_seconds()
         state = self.main.observe(pending)
         if limit <= 0 or state is None:

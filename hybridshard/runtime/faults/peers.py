@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -53,7 +54,7 @@ def env_seconds(name: str, default: float) -> float:
         return default
 
 __all__ = ["FIRST_READ", "env_seconds", "REPORT_SECONDS", "Report", "ask_everyone", "beat", "exchange", "identity", "lost_report",
-           "observe", "publish", "published", "ranks_text", "reports", "runs", "store", "table", "tally"]
+           "having", "observe", "publish", "published", "ranks_text", "reports", "runs", "store", "table", "tally"]
 
 REPORT_SECONDS = 3.0
 """How long a rank's heartbeat may stand still before it is named lost."""
@@ -93,9 +94,11 @@ def identity() -> tuple[int, int]:
     return plane.found.get("identity", (0, 1))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Report:
-    """What one rank said about itself."""
+    """What one rank said about itself. [Note: reports by the thousand] A fault check hands every rank
+    a report per rank (W of them, on every survivor at once): a plain slotted class is made in a fifth
+    of a frozen dataclass's time, and :attr:`like` keeps the key a table sorts it by, computed once."""
 
     rank: int
     state: str
@@ -109,6 +112,9 @@ class Report:
     """The API call it is in (empty: training)."""
     seconds: float = 0.0
     """How long the collective it is in has been in flight (state ``"collective"``)."""
+    like: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    """What it shares with the reports printed on one line with it (state, text but for its rank and
+    seconds, call, group); empty until :func:`hybridshard.runtime.faults.asks.table` needs it."""
 
 
 def ranks_text(ranks: Any) -> str:
@@ -347,7 +353,14 @@ def reports(me: int, world: int, mine: dict[str, Any], seen: dict[int, bytes], l
     return out
 
 
-def table(reports: list[Report]) -> str:
+def having(reports: Iterable[Report], states: Iterable[str]) -> list[Report]:
+    """The reports in one of ``states``, in rank order (see :func:`hybridshard.runtime.faults.asks.having`)."""
+    from hybridshard.runtime.faults import asks  # it builds on this module
+
+    return asks.having(reports, states)
+
+
+def table(reports: Iterable[Report]) -> str:
     """One line per rank, aligned, long runs of ranks alike as one line: what the hang report and fault
     messages print (see :func:`hybridshard.runtime.faults.asks.table`)."""
     from hybridshard.runtime.faults import asks  # it builds on this module

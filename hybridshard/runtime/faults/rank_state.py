@@ -56,6 +56,11 @@ class ControlPlane:
         """Called instead of ending the process (the harness records the rank's report)."""
         self.is_ready: Callable[[], bool] | None = None
         """Whether the job is up (default: the default process group exists)."""
+        self.watch_main = True
+        """Whether the mismatch check watches the process's main thread. The harness's ranks have no
+        main thread of their own, and looking at it costs O(threads): thousands of ranks as threads of
+        one process would spend a core on it (see [Note: entry point on some ranks only] in
+        :mod:`hybridshard.runtime.faults.mismatch`)."""
 
 
 _DEFAULT = ControlPlane()
