@@ -180,14 +180,15 @@ def step_check_model(world: int) -> dict[str, float]:
             "step_check_allreduce_ring_s": 2 * (world - 1) * (ALPHA_S + 96 / world * BETA_S_PER_BYTE)}
 
 
-def run(world: int, fault_s: float, healthy_s: float, faults: bool, layout: str = "block") -> dict[str, Any]:
+def run(world: int, fault_s: float, healthy_s: float, faults: bool, layout: str = "block",
+        processes: int = 1) -> dict[str, Any]:
     out: dict[str, Any] = {"world": world, "layout": layout, "fault_seconds": fault_s}
     out.update(init_and_checkpoint(world, layout))
     out.update(step_check_model(world))
     out.update(follower_cost(world))
     if not faults:
         return out
-    out.update(fault_phases(world, fault_s, healthy_s))
+    out.update(fault_phases(world, fault_s, healthy_s, processes))
     return out
 
 
@@ -241,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", choices=("block", "cyclic"), default="block",
                         help="rank order of the init probes (the fault phases do not depend on it)")
     parser.add_argument("--plot", default=None, help="write a log-log PNG here (needs matplotlib)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="spread the ranks of the fault phases over this many worker processes (threads in each)")
     parser.add_argument("--results", nargs="+", default=None,
                         help="fit and plot the JSON lines of earlier runs (files) instead of running")
     args = parser.parse_args(argv)
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("hybridshard").setLevel(logging.CRITICAL + 1)
     results = []
     for world in args.world:
-        result = run(world, args.fault_seconds, args.healthy_seconds, not args.no_faults, args.layout)
+        result = run(world, args.fault_seconds, args.healthy_seconds, not args.no_faults, args.layout, args.processes)
         results.append(result)
         print(json.dumps(result), flush=True)
     for world in (1_000, 10_000, 100_000):
