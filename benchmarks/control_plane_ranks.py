@@ -19,7 +19,6 @@ simulated rank's thread saw on top of the control plane's own time.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import re
 import sys
@@ -30,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hybridshard.runtime.faults import asks, peers, watchdog
+from hybridshard.runtime.faults import peers, watchdog
 from hybridshard.runtime.faults.rank_state import ControlPlane, bound
 
 STALL_FACTOR = 1.5
@@ -338,31 +337,6 @@ def _rounds(job: Any, kind: str) -> int:
     asking at once] in :mod:`hybridshard.runtime.faults.asks`): a phase adds one when every asker joined the first."""
     key = f"hybridshard/ask/{kind}-{peers.REPORT_SECONDS * (1 if kind == 'brief' else 3):g}/round"
     return int(job.server.get(key).split(b"|")[0]) if job.server.check([key]) else 0
-
-
-def follower_cost(world: int, repeats: int = 15) -> dict[str, float]:
-    """CPU milliseconds one survivor spends on a full round's outcome at ``world`` ranks, alone on a core
-    (best of ``repeats``): the reports read from the outcome's runs and the table printed from them, as a
-    follower does ([Note: a follower's reports] in :mod:`hybridshard.runtime.faults.asks`), against every
-    rank's report made one by one first. One rank lost, the others blocked in one collective."""
-    mine = {"state": "collective", "text": f"rank 5: in all_reduce on world (ranks 0-{world - 1}) for 12s, step 3",
-            "ranks": list(range(world)), "seconds": 12.0}
-    given = [peers.Report(r, "collective", f"rank {r}: in all_reduce on world (ranks 0-{world - 1}) for {12 + r % 3}s, "
-                          "step 3", range(world), "", 12.0 + r % 3) for r in range(1, world)]
-    value = json.dumps({"lost": [[0, 1]], "reports": asks.compact(given)}, separators=(",", ":")).encode()
-    plane = ControlPlane(object(), 5, world)
-    best = {"runs": float("inf"), "made": float("inf")}
-    with bound(plane):
-        for _ in range(repeats):
-            for way in best:
-                t = time.thread_time()
-                reports = asks._outcome(value, 5, world, mine, 9.0, brief=False)
-                if way == "made":
-                    reports = list(reports)
-                peers.having(reports, ("raised", "failed", "done", "lost"))
-                peers.table(reports)
-                best[way] = min(best[way], time.thread_time() - t)
-    return {"follower_ms": 1e3 * best["runs"], "follower_made_ms": 1e3 * best["made"]}
 
 
 def _progress(world: int, text: str) -> None:

@@ -34,7 +34,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, also when loaded by path (tests)
 
-from control_plane_ranks import fault_phases, follower_cost  # noqa: E402
+from control_plane_ranks import fault_phases  # noqa: E402
+
+from hybridshard.runtime.faults import asks, peers  # noqa: E402
+from hybridshard.runtime.faults.rank_state import ControlPlane, bound  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "nvml" / "dgx_h100_nvswitch.json"
 RANKS_PER_NODE = 8
@@ -178,6 +181,31 @@ def step_check_model(world: int) -> dict[str, float]:
             "step_check_allgather_ring_s": (world - 1) * (ALPHA_S + 48 * BETA_S_PER_BYTE),
             "step_check_tree_s": 2 * steps * (ALPHA_S + 96 * BETA_S_PER_BYTE),
             "step_check_allreduce_ring_s": 2 * (world - 1) * (ALPHA_S + 96 / world * BETA_S_PER_BYTE)}
+
+
+def follower_cost(world: int, repeats: int = 15) -> dict[str, float]:
+    """CPU milliseconds one survivor spends on a full round's outcome at ``world`` ranks, alone on a core
+    (best of ``repeats``): the reports read from the outcome's runs and the table printed from them, as a
+    follower does ([Note: a follower's reports] in :mod:`hybridshard.runtime.faults.asks`), against every
+    rank's report made one by one first. One rank lost, the others blocked in one collective."""
+    mine = {"state": "collective", "text": f"rank 5: in all_reduce on world (ranks 0-{world - 1}) for 12s, step 3",
+            "ranks": list(range(world)), "seconds": 12.0}
+    given = [peers.Report(r, "collective", f"rank {r}: in all_reduce on world (ranks 0-{world - 1}) for {12 + r % 3}s, "
+                          "step 3", range(world), "", 12.0 + r % 3) for r in range(1, world)]
+    value = json.dumps({"lost": [[0, 1]], "reports": asks.compact(given)}, separators=(",", ":")).encode()
+    plane = ControlPlane(object(), 5, world)
+    best = {"runs": float("inf"), "made": float("inf")}
+    with bound(plane):
+        for _ in range(repeats):
+            for way in best:
+                t = time.thread_time()
+                reports = asks._outcome(value, 5, world, mine, 9.0, brief=False)
+                if way == "made":
+                    reports = list(reports)
+                peers.having(reports, ("raised", "failed", "done", "lost"))
+                peers.table(reports)
+                best[way] = min(best[way], time.thread_time() - t)
+    return {"follower_ms": 1e3 * best["runs"], "follower_made_ms": 1e3 * best["made"]}
 
 
 def run(world: int, fault_s: float, healthy_s: float, faults: bool, layout: str = "block",
