@@ -336,7 +336,8 @@ def _rounds(job: Any, kind: str) -> int:
     """How many rounds the ranks' asks of one kind have taken so far (see [Note: one reading for the ranks
     asking at once] in :mod:`hybridshard.runtime.faults.asks`): a phase adds one when every asker joined the first."""
     key = f"hybridshard/ask/{kind}-{peers.REPORT_SECONDS * (1 if kind == 'brief' else 3):g}/round"
-    return int(job.server.get(key).split(b"|")[0]) if job.server.check([key]) else 0
+    value = job.server.compare_set(key, b"\x00absent", b"\x00absent")  # the value, or that it is missing: no wait
+    return 0 if value == b"\x00absent" else int(value.split(b"|")[0])
 
 
 def _progress(world: int, text: str) -> None:
