@@ -19,7 +19,6 @@ simulated rank's thread saw on top of the control plane's own time.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import re
 import sys
@@ -30,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hybridshard.runtime.faults import asks, peers, watchdog
+from hybridshard.runtime.faults import peers, watchdog
 from hybridshard.runtime.faults.rank_state import ControlPlane, bound
 
 STALL_FACTOR = 1.5
@@ -129,38 +128,38 @@ class Lag:
         self._stop.set()
 
 
-class Job:
-    """W ranks: one plane, one store client and one watchdog thread each."""
+class Ranks:
+    """Ranks ``lo``..``hi - 1`` of W, in this process: one plane, one store client and one watchdog thread
+    each, connected to the job's store at ``port``."""
 
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=60))
-        self.stopped: dict[int, tuple[float, str, float]] = {}
+    def __init__(self, world: int, port: int, lo: int = 0, hi: int | None = None) -> None:
+        self.world, self.lo, self.hi = world, lo, world if hi is None else hi
+        self._stopped: dict[int, tuple[float, str, float]] = {}
         """Rank -> (when it stopped, its report, its watchdog thread's CPU seconds then)."""
+        self._tokens: dict[int, int] = {}
+        self._lag = Lag()
         # [Note: connecting in parallel] A client's connect now and then takes 5 s here (a retried SYN,
         # seen with either server): thousands of them one after another would take many minutes.
         with concurrent.futures.ThreadPoolExecutor(64) as pool:
-            clients = list(pool.map(lambda _: dist.TCPStore("127.0.0.1", self.server.port, is_master=False,
-                                                            use_libuv=True, timeout=timedelta(seconds=60)),
-                                    range(world)))
-        self.planes: list[ControlPlane] = []
-        for rank, client in enumerate(clients):
+            clients = list(pool.map(lambda _: dist.TCPStore("127.0.0.1", port, is_master=False, use_libuv=True,
+                                                            timeout=timedelta(seconds=60)), range(self.lo, self.hi)))
+        self.planes: dict[int, ControlPlane] = {}
+        for rank, client in zip(range(self.lo, self.hi), clients):
             plane = ControlPlane(CountingStore(client), rank, world)
             plane.is_ready = lambda: True
             plane.watch_main = False  # the process's main thread is no simulated rank's
             plane.on_stop = self._on_stop(rank, plane)
-            self.planes.append(plane)
+            self.planes[rank] = plane
 
     def _on_stop(self, rank: int, plane: ControlPlane) -> Any:
         def stop(status: int) -> None:  # what errors.stop_now does to a process: its report is its last word
             text = (plane.final or {}).get("text", "")
-            self.stopped[rank] = (time.monotonic(), text, time.thread_time())  # the rank's own thread
+            self._stopped[rank] = (time.monotonic(), text, time.thread_time())  # the rank's own thread
             plane.stop.set()
         return stop
 
     def start(self) -> None:
-        for plane in self.planes:
+        for plane in self.planes.values():
             with bound(plane):
                 watchdog.start()
 
@@ -168,7 +167,7 @@ class Job:
         """CPU seconds each running rank's watchdog thread has used: what that rank would spend on a core
         of its own, apart from the time its thread waited for the interpreter lock (see the lag)."""
         out = {}
-        for rank, plane in enumerate(self.planes):
+        for rank, plane in self.planes.items():
             thread = plane.thread
             if thread is not None and thread.is_alive() and thread.ident is not None:
                 try:
@@ -177,34 +176,67 @@ class Job:
                     pass
         return out
 
-    def counts(self) -> tuple[int, int, int]:
-        """Operations, operations other than heartbeats, bytes: over every rank."""
-        stores = [p.found["store"] for p in self.planes]
+    def counts(self) -> tuple[int, int, int, int]:
+        """Operations, operations other than heartbeats, bytes, ``multi_get`` calls (each a reading of
+        many heartbeats): over these ranks."""
+        stores = [p.found["store"] for p in self.planes.values()]
         return (sum(s.ops for s in stores), sum(s.ops - s.beats for s in stores),
-                sum(s.sent + s.received for s in stores))
+                sum(s.sent + s.received for s in stores), sum(s.multi_gets for s in stores))
 
-    def readings(self) -> int:
-        """``multi_get`` calls over every rank (each a reading of many heartbeats)."""
-        return sum(p.found["store"].multi_gets for p in self.planes)
-
-    def begin_all(self, ranks: range) -> dict[int, int]:
-        tokens = {}
+    def begin_all(self, ranks: range) -> None:
         for r in ranks:
-            with bound(self.planes[r]):
-                tokens[r] = watchdog.begin("all_reduce", "world", range(self.world), 1 << 20)
-        return tokens
+            if r in self.planes:
+                with bound(self.planes[r]):
+                    self._tokens[r] = watchdog.begin("all_reduce", "world", range(self.world), 1 << 20)
 
-    def end_all(self, tokens: dict[int, int]) -> None:
-        for r, token in tokens.items():
+    def end_all(self) -> None:
+        for r, token in self._tokens.items():
             with bound(self.planes[r]):
                 watchdog.end(token)
+        self._tokens.clear()
+
+    def asking(self) -> int:
+        """Ranks asking the others now."""
+        return sum(1 for p in self.planes.values() if p.override is not None)
+
+    def checks(self) -> int:
+        """Collectives in flight whose fault check began."""
+        return sum(1 for p in self.planes.values() for e in list(p.in_flight.values()) if e.checked)
+
+    def kill(self, rank: int) -> None:
+        if rank in self.planes:
+            self.planes[rank].found["store"].frozen = True
+            self.planes[rank].stop.set()
+
+    def stopped(self, clear: bool = False) -> dict[int, tuple[float, str, float]]:
+        out = dict(self._stopped)
+        if clear:
+            self._stopped.clear()
+        return out
+
+    def set_limits(self, fault_s: float | None) -> None:
+        _set_limits(fault_s)
+
+    def lag(self) -> float:
+        """The worst delay a sleeping thread of this process saw since the last call."""
+        return self._lag.reset()
 
     def close(self) -> None:
-        for plane in self.planes:
+        self._lag.stop()
+        for plane in self.planes.values():
             plane.stop.set()
-        for plane in self.planes:
+        for plane in self.planes.values():
             if plane.thread is not None:
                 plane.thread.join(timeout=10)
+
+
+class Job(Ranks):
+    """W ranks as threads of this process, with the job's store (a libuv TCPStore server) here too."""
+
+    def __init__(self, world: int) -> None:
+        self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=60))
+        super().__init__(world, self.server.port)
 
 
 def _set_limits(fault_s: float | None) -> None:
@@ -216,24 +248,24 @@ def _set_limits(fault_s: float | None) -> None:
         os.environ["HYBRIDSHARD_HANG_SECONDS"] = str(5 * fault_s)  # 300 s against 60 s, scaled alike
 
 
-def healthy(job: Job, seconds: float, lag: Lag) -> dict[str, float]:
+def healthy(job: Any, seconds: float) -> dict[str, float]:
     """Steps of a healthy job: every rank in collectives of half a second, one after the other, nobody
     stuck. The heartbeats are then the only store traffic; a rank that has waited in one collective for
     a second or more also reads the count of kept causes once a poll (see [Note: keeping the causes]
     in :mod:`hybridshard.runtime.faults.causes`), which a stall phase shows, not this one."""
-    _set_limits(None)
-    ops0, _, bytes0 = job.counts()
+    job.set_limits(None)
+    ops0, _, bytes0, _ = job.counts()
     cpu0 = job.cpu()
-    lag.reset()
+    job.lag()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        tokens = job.begin_all(range(job.world))
+        job.begin_all(range(job.world))
         time.sleep(min(0.5, max(0.0, end - time.monotonic())))
-        job.end_all(tokens)
-    ops1, _, bytes1 = job.counts()
+        job.end_all()
+    ops1, _, bytes1, _ = job.counts()
     per = job.world * seconds
     return {"store_ops_per_rank_per_s": (ops1 - ops0) / per, "store_bytes_per_rank_per_s": (bytes1 - bytes0) / per,
-            "healthy_lag_ms": 1e3 * lag.reset(), "healthy_cpu_ms_per_rank_per_s": _cpu_ms(cpu0, job.cpu()) / seconds}
+            "healthy_lag_ms": 1e3 * job.lag(), "healthy_cpu_ms_per_rank_per_s": _cpu_ms(cpu0, job.cpu()) / seconds}
 
 
 def _cpu_ms(before: dict[int, float], after: dict[int, float]) -> float:
@@ -242,58 +274,57 @@ def _cpu_ms(before: dict[int, float], after: dict[int, float]) -> float:
     return 1e3 * sum(spent) / max(1, len(spent))
 
 
-def stall(job: Job, fault_s: float, lag: Lag) -> dict[str, float]:
+def stall(job: Any, fault_s: float) -> dict[str, float]:
     """Rank 0 outside any collective for STALL_FACTOR x the fault limit, every other rank waiting on it."""
-    _set_limits(fault_s)
-    tokens = job.begin_all(range(1, job.world))
-    ops0, other0, bytes0 = job.counts()
-    readings0 = job.readings()
+    job.set_limits(fault_s)
+    job.begin_all(range(1, job.world))
+    ops0, other0, bytes0, readings0 = job.counts()
     cpu0 = job.cpu()
-    lag.reset()
+    job.lag()
     time.sleep(STALL_FACTOR * fault_s)
     deadline = time.monotonic() + 60  # checks that began still finish (the harness may be late)
-    while time.monotonic() < deadline and any(p.override is not None for p in job.planes):
+    while time.monotonic() < deadline and job.asking():
         time.sleep(0.1)
-    checks = sum(1 for p in job.planes for e in list(p.in_flight.values()) if e.checked)
+    checks = job.checks()
     cpu_ms = _cpu_ms(cpu0, job.cpu())
-    job.end_all(tokens)
-    ops1, other1, bytes1 = job.counts()
+    job.end_all()
+    ops1, other1, bytes1, readings1 = job.counts()
     checks = max(checks, 1)
     # Every operation but the heartbeats (the round's writes included), + the ask's own heartbeat.
-    return {"false_reports": len(job.stopped), "stall_checks": checks,
+    return {"false_reports": len(job.stopped()), "stall_checks": checks,
             "store_ops_per_check_per_rank": (other1 - other0) / checks + 1,
-            "store_multi_get_per_check_per_rank": (job.readings() - readings0) / checks,
-            "store_bytes_per_check_per_rank": (bytes1 - bytes0) / checks, "stall_lag_ms": 1e3 * lag.reset(),
-            "stall_cpu_ms_per_rank": cpu_ms,
-            "stall_total_ops": ops1 - ops0}
+            "store_multi_get_per_check_per_rank": (readings1 - readings0) / checks,
+            "store_bytes_per_check_per_rank": (bytes1 - bytes0) / checks, "stall_lag_ms": 1e3 * job.lag(),
+            "stall_cpu_ms_per_rank": cpu_ms, "stall_total_ops": ops1 - ops0}
 
 
-def detect(job: Job, fault_s: float, lag: Lag, victim: int) -> dict[str, float]:
+def detect(job: Any, fault_s: float, victim: int) -> dict[str, float]:
     """Every rank in a collective; the victim's threads stop at t0. Time until every survivor named it."""
-    _set_limits(fault_s)
-    job.stopped.clear()
+    job.set_limits(fault_s)
+    job.stopped(clear=True)
     rounds = {kind: _rounds(job, kind) for kind in ("brief", "full")}
-    tokens = job.begin_all(range(job.world))
+    job.begin_all(range(job.world))
     cpu0 = job.cpu()
     t0 = time.monotonic()
-    job.planes[victim].found["store"].frozen = True
-    job.planes[victim].stop.set()
-    lag.reset()
+    job.kill(victim)
+    job.lag()
     survivors = [r for r in range(job.world) if r != victim]
     deadline = t0 + fault_s + 8 * peers.REPORT_SECONDS + 60
-    while time.monotonic() < deadline and len(job.stopped) < len(survivors):
-        time.sleep(0.1)
+    stopped = job.stopped()
+    while time.monotonic() < deadline and len(stopped) < len(survivors):
+        time.sleep(0.1 if len(survivors) < 1024 else 0.5)
+        stopped = job.stopped()
     named = re.compile(rf"\brank {victim} was lost|\branks [0-9, ]*\b{victim}\b[0-9, ]* were lost")
-    right = [r for r in survivors if r in job.stopped and named.search(job.stopped[r][1])]
-    last = max((job.stopped[r][0] for r in right), default=float("nan"))
-    job.end_all(tokens)
-    wrong = sorted({job.stopped[r][1].split(": ", 1)[-1][:120] for r in survivors if r in job.stopped and r not in right})
+    right = [r for r in survivors if r in stopped and named.search(stopped[r][1])]
+    last = max((stopped[r][0] for r in right), default=float("nan"))
+    job.end_all()
+    wrong = sorted({stopped[r][1].split(": ", 1)[-1][:120] for r in survivors if r in stopped and r not in right})
     for text in wrong[:3]:
         print(f"W={job.world}: a survivor did not name rank {victim} alone: {text}")
-    times = sorted(job.stopped[r][0] - t0 for r in right)
-    cpu = sorted(job.stopped[r][2] - cpu0[r] for r in right if r in cpu0)
-    return {"detected": len(right), "survivors": len(survivors), "reported": len(job.stopped), "detect_s": last - t0,
-            "detect_after_check_s": last - t0 - fault_s, "detect_lag_ms": 1e3 * lag.reset(),
+    times = sorted(stopped[r][0] - t0 for r in right)
+    cpu = sorted(stopped[r][2] - cpu0[r] for r in right if r in cpu0)
+    return {"detected": len(right), "survivors": len(survivors), "reported": len(stopped), "detect_s": last - t0,
+            "detect_after_check_s": last - t0 - fault_s, "detect_lag_ms": 1e3 * job.lag(),
             "detect_first_s": times[0] if times else float("nan"),
             "detect_median_s": times[len(times) // 2] if times else float("nan"),
             "detect_cpu_ms_per_rank": 1e3 * sum(cpu) / max(1, len(cpu)),
@@ -301,48 +332,29 @@ def detect(job: Job, fault_s: float, lag: Lag, victim: int) -> dict[str, float]:
             **{f"detect_rounds_{kind}": _rounds(job, kind) - n for kind, n in rounds.items()}}
 
 
-def _rounds(job: Job, kind: str) -> int:
+def _rounds(job: Any, kind: str) -> int:
     """How many rounds the ranks' asks of one kind have taken so far (see [Note: one reading for the ranks
     asking at once] in :mod:`hybridshard.runtime.faults.asks`): a phase adds one when every asker joined the first."""
     key = f"hybridshard/ask/{kind}-{peers.REPORT_SECONDS * (1 if kind == 'brief' else 3):g}/round"
-    return int(job.server.get(key).split(b"|")[0]) if job.server.check([key]) else 0
-
-
-def follower_cost(world: int, repeats: int = 15) -> dict[str, float]:
-    """CPU milliseconds one survivor spends on a full round's outcome at ``world`` ranks, alone on a core
-    (best of ``repeats``): the reports read from the outcome's runs and the table printed from them, as a
-    follower does ([Note: a follower's reports] in :mod:`hybridshard.runtime.faults.asks`), against every
-    rank's report made one by one first. One rank lost, the others blocked in one collective."""
-    mine = {"state": "collective", "text": f"rank 5: in all_reduce on world (ranks 0-{world - 1}) for 12s, step 3",
-            "ranks": list(range(world)), "seconds": 12.0}
-    given = [peers.Report(r, "collective", f"rank {r}: in all_reduce on world (ranks 0-{world - 1}) for {12 + r % 3}s, "
-                          "step 3", range(world), "", 12.0 + r % 3) for r in range(1, world)]
-    value = json.dumps({"lost": [[0, 1]], "reports": asks.compact(given)}, separators=(",", ":")).encode()
-    plane = ControlPlane(object(), 5, world)
-    best = {"runs": float("inf"), "made": float("inf")}
-    with bound(plane):
-        for _ in range(repeats):
-            for way in best:
-                t = time.thread_time()
-                reports = asks._outcome(value, 5, world, mine, 9.0, brief=False)
-                if way == "made":
-                    reports = list(reports)
-                peers.having(reports, ("raised", "failed", "done", "lost"))
-                peers.table(reports)
-                best[way] = min(best[way], time.thread_time() - t)
-    return {"follower_ms": 1e3 * best["runs"], "follower_made_ms": 1e3 * best["made"]}
+    value = job.server.compare_set(key, b"\x00absent", b"\x00absent")  # the value, or that it is missing: no wait
+    return 0 if value == b"\x00absent" else int(value.split(b"|")[0])
 
 
 def _progress(world: int, text: str) -> None:
     print(f"W={world}: {text}", file=sys.stderr, flush=True)  # a long run's progress (not a figure line)
 
 
-def fault_phases(world: int, fault_s: float, healthy_s: float) -> dict[str, Any]:
-    """A healthy job, a stall of rank 0, a death: the figures of each, for W thread ranks."""
-    out: dict[str, Any] = {}
-    lag = Lag()
+def fault_phases(world: int, fault_s: float, healthy_s: float, processes: int = 1) -> dict[str, Any]:
+    """A healthy job, a stall of rank 0, a death: the figures of each, for W ranks as threads of this
+    process, or of ``processes`` worker processes (``control_plane_procs.py``)."""
+    out: dict[str, Any] = {"processes": processes}
     t = time.monotonic()
-    job = Job(world)
+    if processes > 1:
+        from control_plane_procs import ProcessJob  # noqa: PLC0415 - the process form only
+
+        job: Any = ProcessJob(world, processes, SWITCH_INTERVAL)
+    else:
+        job = Job(world)
     job.start()
     out["start_s"] = time.monotonic() - t
     # The phases set the fault limits in os.environ and the switch interval; a caller's own (a test
@@ -353,8 +365,8 @@ def fault_phases(world: int, fault_s: float, healthy_s: float) -> dict[str, Any]
     try:
         _progress(world, f"{world} ranks started in {out['start_s']:.1f}s")
         time.sleep(2.0)  # every rank beat once
-        for name, phase in (("healthy", lambda: healthy(job, healthy_s, lag)), ("stall", lambda: stall(job, fault_s, lag)),
-                            ("detect", lambda: detect(job, fault_s, lag, victim=world // 2 + 1))):
+        for name, phase in (("healthy", lambda: healthy(job, healthy_s)), ("stall", lambda: stall(job, fault_s)),
+                            ("detect", lambda: detect(job, fault_s, victim=world // 2 + 1))):
             t = time.monotonic()
             out.update(phase())
             _progress(world, f"{name} phase: {time.monotonic() - t:.1f}s, lag "
@@ -367,7 +379,6 @@ def fault_phases(world: int, fault_s: float, healthy_s: float) -> dict[str, Any]
                                  and (k.startswith("detect") == (name == "detect"))))
     finally:
         job.close()
-        lag.stop()
         sys.setswitchinterval(interval)
         for k, v in saved.items():
             if v is None:

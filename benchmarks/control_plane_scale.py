@@ -34,7 +34,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, also when loaded by path (tests)
 
-from control_plane_ranks import fault_phases, follower_cost  # noqa: E402
+from control_plane_ranks import fault_phases  # noqa: E402
+
+from hybridshard.runtime.faults import asks, peers  # noqa: E402
+from hybridshard.runtime.faults.rank_state import ControlPlane, bound  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "nvml" / "dgx_h100_nvswitch.json"
 RANKS_PER_NODE = 8
@@ -180,14 +183,40 @@ def step_check_model(world: int) -> dict[str, float]:
             "step_check_allreduce_ring_s": 2 * (world - 1) * (ALPHA_S + 96 / world * BETA_S_PER_BYTE)}
 
 
-def run(world: int, fault_s: float, healthy_s: float, faults: bool, layout: str = "block") -> dict[str, Any]:
+def follower_cost(world: int, repeats: int = 15) -> dict[str, float]:
+    """CPU milliseconds one survivor spends on a full round's outcome at ``world`` ranks, alone on a core
+    (best of ``repeats``): the reports read from the outcome's runs and the table printed from them, as a
+    follower does ([Note: a follower's reports] in :mod:`hybridshard.runtime.faults.asks`), against every
+    rank's report made one by one first. One rank lost, the others blocked in one collective."""
+    mine = {"state": "collective", "text": f"rank 5: in all_reduce on world (ranks 0-{world - 1}) for 12s, step 3",
+            "ranks": list(range(world)), "seconds": 12.0}
+    given = [peers.Report(r, "collective", f"rank {r}: in all_reduce on world (ranks 0-{world - 1}) for {12 + r % 3}s, "
+                          "step 3", range(world), "", 12.0 + r % 3) for r in range(1, world)]
+    value = json.dumps({"lost": [[0, 1]], "reports": asks.compact(given)}, separators=(",", ":")).encode()
+    plane = ControlPlane(object(), 5, world)
+    best = {"runs": float("inf"), "made": float("inf")}
+    with bound(plane):
+        for _ in range(repeats):
+            for way in best:
+                t = time.thread_time()
+                reports = asks._outcome(value, 5, world, mine, 9.0, brief=False)
+                if way == "made":
+                    reports = list(reports)
+                peers.having(reports, ("raised", "failed", "done", "lost"))
+                peers.table(reports)
+                best[way] = min(best[way], time.thread_time() - t)
+    return {"follower_ms": 1e3 * best["runs"], "follower_made_ms": 1e3 * best["made"]}
+
+
+def run(world: int, fault_s: float, healthy_s: float, faults: bool, layout: str = "block",
+        processes: int = 1) -> dict[str, Any]:
     out: dict[str, Any] = {"world": world, "layout": layout, "fault_seconds": fault_s}
     out.update(init_and_checkpoint(world, layout))
     out.update(step_check_model(world))
     out.update(follower_cost(world))
     if not faults:
         return out
-    out.update(fault_phases(world, fault_s, healthy_s))
+    out.update(fault_phases(world, fault_s, healthy_s, processes))
     return out
 
 
@@ -241,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", choices=("block", "cyclic"), default="block",
                         help="rank order of the init probes (the fault phases do not depend on it)")
     parser.add_argument("--plot", default=None, help="write a log-log PNG here (needs matplotlib)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="spread the ranks of the fault phases over this many worker processes (threads in each)")
     parser.add_argument("--results", nargs="+", default=None,
                         help="fit and plot the JSON lines of earlier runs (files) instead of running")
     args = parser.parse_args(argv)
@@ -263,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("hybridshard").setLevel(logging.CRITICAL + 1)
     results = []
     for world in args.world:
-        result = run(world, args.fault_seconds, args.healthy_seconds, not args.no_faults, args.layout)
+        result = run(world, args.fault_seconds, args.healthy_seconds, not args.no_faults, args.layout, args.processes)
         results.append(result)
         print(json.dumps(result), flush=True)
     for world in (1_000, 10_000, 100_000):

@@ -51,3 +51,17 @@ def test_harness_leaves_the_fault_limits_as_it_found_them(harness, monkeypatch):
     import os
 
     assert "HYBRIDSHARD_FAULT_SECONDS" not in os.environ and os.environ["HYBRIDSHARD_HANG_SECONDS"] == "300"
+
+
+@pytest.mark.timeout(240)
+def test_ranks_spread_over_worker_processes_make_one_job(harness, monkeypatch):
+    """The process form (``--processes``, for W beyond what one interpreter runs on time): every
+    survivor in either worker names the dead rank, the stall reports nobody, and the counts are the
+    whole job's (a worker's share alone would give half the heartbeats and half the survivors)."""
+    monkeypatch.delenv("HYBRIDSHARD_FAULT_SECONDS", raising=False)
+    monkeypatch.delenv("HYBRIDSHARD_HANG_SECONDS", raising=False)
+    r = harness.run(32, fault_s=1.0, healthy_s=2.0, faults=True, processes=2)
+    assert r["processes"] == 2 and r["stall_checks"] >= 16 and r["false_reports"] == 0, r
+    assert r["detected"] == r["survivors"] == 31, r
+    assert 0.6 <= r["store_ops_per_rank_per_s"] <= 1.05, r
+    assert r["store_multi_get_per_check_per_rank"] <= 0.25 and r["store_ops_per_check_per_rank"] <= 10, r

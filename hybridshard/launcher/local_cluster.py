@@ -36,7 +36,11 @@ __all__ = ["main", "ClusterOptions", "HostFault", "RunState", "free_port"]
 RIGHTS_EXIT = 3
 TIMEOUT_EXIT = 124
 INTERRUPT_EXIT = 130
-_PEER_GRACE_S = 5.0
+_PEER_GRACE_S = 15.0
+"""How long the other hosts get after one fails, before they are stopped: longer than a surviving rank
+takes to say why its collective failed (it asks for up to 3 s, 6 s more when the round's leader is
+lost: [Note: one reading for the ranks asking at once] in hybridshard/runtime/faults/asks.py). With 5 s,
+a loaded machine stopped a survivor before its traceback. Hosts that exit sooner end the wait."""
 _TERM_GRACE_S = 5.0
 _POLL_S = 0.1
 # Variables that would make a host's launcher think it is already a rank, or inside SLURM.
