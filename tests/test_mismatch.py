@@ -13,10 +13,14 @@ watchdog can end a hang within the deadlines asserted here.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import threading
 import time
+import types
+import weakref
 
 import pytest
 
@@ -183,6 +187,76 @@ def test_only_rank0_reads_every_record_and_a_rank_that_moved_on_never_votes(monk
     before = dict(store.ops)
     watches[0]._check(store, 0, 4, 5.0)
     assert store.ops["add"] == before["add"] + 1 and store.ops.get("multi_get") == before["multi_get"]
+
+
+def test_a_poll_keeps_no_frame_of_the_main_thread_alive(monkeypatch):
+    """A poll that lands while the main thread waits inside the package must not keep that wait's
+    callers' locals alive after they returned (see [Note: no frame kept]): a held frame kept a
+    backward's gradient shards alive past ``zero_grad(set_to_none=True)``. Run 5 times: the poll and
+    the wait race by design."""
+    from hybridshard.runtime.comm.collectives import Pending
+    from hybridshard.runtime.trace import entry_points
+
+    monkeypatch.setattr(entry_points, "_MAIN", threading.current_thread())  # the thread this test runs on
+
+    class Work:
+        wait = functools.partial(time.sleep, 0.4)  # blocks in C: the innermost Python frame is Pending.wait
+
+        def is_completed(self) -> bool:
+            return True
+
+    class Held:
+        """What a caller of the wait holds (a gradient shard)."""
+
+    pending = [types.SimpleNamespace(kind="all_reduce", group="replicate", started=1.0)]
+    for _ in range(5):
+        watch, seen = entry_points.MainThreadWatch(), []
+
+        def poll() -> None:
+            time.sleep(0.1)
+            seen.append(watch.observe(pending))
+
+        def step() -> weakref.ref:
+            held = Held()
+            Pending(Work(), "all_reduce", "replicate").wait()
+            return weakref.ref(held)
+
+        thread = threading.Thread(target=poll)
+        thread.start()
+        ref = step()
+        thread.join(10)
+        assert seen and seen[0].blocked and "collectives.py" in seen[0].inner, seen  # the poll saw the wait
+        assert ref() is None, "the watchdog kept the main thread's returned frames (and their locals) alive"
+
+
+def test_the_next_collective_in_flight_starts_a_new_episode(monkeypatch):
+    """With no frame kept, one wait is told from the next at the same frame by the first collective in
+    flight: the same one keeps the episode, a new one starts another."""
+    from hybridshard.runtime.comm.collectives import Pending
+    from hybridshard.runtime.trace import entry_points
+
+    monkeypatch.setattr(entry_points, "_MAIN", threading.current_thread())
+
+    class Work:
+        wait = functools.partial(time.sleep, 0.8)
+
+        def is_completed(self) -> bool:
+            return True
+
+    first = [types.SimpleNamespace(kind="all_reduce", group="replicate", started=1.0)]
+    second = [types.SimpleNamespace(kind="all_reduce", group="replicate", started=2.0)]
+    watch, seen = entry_points.MainThreadWatch(), []
+
+    def poll() -> None:
+        for pending in (first, first, second):
+            time.sleep(0.15)
+            seen.append(watch.observe(pending))
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    Pending(Work(), "all_reduce", "replicate").wait()
+    thread.join(10)
+    assert all(b.blocked for b in seen) and seen[0].since == seen[1].since < seen[2].since, seen
 
 
 def test_mismatch_message_names_both_calls():

@@ -21,6 +21,19 @@ own, ``time.sleep``, a long kernel, I/O), which only makes a rank late. The fram
 because a computing thread changes frames and lines all the time, while a thread blocked in C++
 keeps its last Python frame. Not seen as blocked: a user's own ``work.wait()`` on an asynchronous
 c10d handle (its frame is the user's), which only leaves such a hang to the hang report.
+
+[Note: no frame kept]
+The watchdog never keeps a reference to the main thread's frame between polls. A frame object that
+outlives its call keeps its locals and, through ``f_back``, every caller's locals as they were when
+each returned: holding the frame of a wait inside the gradient path kept a backward's gradient
+shards (the executor's job list, frames up) alive for up to a poll after ``zero_grad(set_to_none=True)``,
+on a GPU a step's worth of memory at the next forward. "The same frame" is therefore its address
+while the main thread is in it (the interpreter keeps a frame object alive as long as its call
+runs), with the first collective in flight (its kind, group and issue time) for the package's own
+waits. A new call at the same line may reuse the address of the last one's frame; every poll must
+then land inside one of them for the episode to go on, which happens only while those calls
+complete one after another, so with every rank taking part, and the mismatch check needs other
+ranks blocked in a different call for the whole limit.
 """
 
 from __future__ import annotations
@@ -156,7 +169,6 @@ class MainThreadWatch:
 
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
-        self._frame: FrameType | None = None
         self._since = time.time()
 
     def observe(self, pending: list[Any]) -> Blocked | None:
@@ -167,12 +179,10 @@ class MainThreadWatch:
             return None
         call, at = _classify(frame, pending)
         stack = entries()
-        key = (frame.f_code, frame.f_lineno, bool(call), stack)
-        if key != self._key or frame is not self._frame:
+        # See [Note: no frame kept]: the frame is known by its address, never held.
+        first = (pending[0].kind, pending[0].group, getattr(pending[0], "started", None)) if pending else None
+        key = (frame.f_code, frame.f_lineno, id(frame), bool(call), stack, first)
+        if key != self._key:
             self._key, self._since = key, time.time()
-        # Held while blocked, so that a later call at the same line gets a new frame object, not this
-        # one's address again (an ``id`` would match it); dropped while the thread runs. A returned
-        # frame keeps its locals until the next poll: a collective's arguments, one poll longer.
-        self._frame = frame if call else None
         return Blocked(call, at, _where(frame), stack, self._since)
 
