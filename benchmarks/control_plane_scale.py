@@ -11,8 +11,9 @@ The fault phases (a healthy job, a stall of rank 0, a death) run W ranks as thre
 rank's probe from the NVML fixtures, 8 ranks a node) that the object messages of
 :func:`~hybridshard.topology.summary.gather_summary` (its gather tree, counted per receiving rank; for
 comparison, the flat gather through rank 0 and the ``all_gather_object`` before it) move, and the
-real packing, assembly and planning code timed once; the messages are not sent and process groups
-are not created (neither ``split_group`` nor ``new_group`` is measured). The step check's cost is a
+real packing, assembly and planning code timed once; the messages are not sent. Every rank then
+creates its groups with the real ``build_groups`` on torch's threaded process group (the ``new_group``
+path; see [Note: which creation path] in ``control_plane_groups.py``). The step check's cost is a
 latency model (:func:`step_check_model`).
 """
 
@@ -34,6 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, also when loaded by path (tests)
 
+from control_plane_groups import groups_phase  # noqa: E402
 from control_plane_ranks import fault_phases  # noqa: E402
 
 from hybridshard.runtime.faults import asks, peers  # noqa: E402
@@ -209,9 +211,18 @@ def follower_cost(world: int, repeats: int = 15) -> dict[str, float]:
 
 
 def run(world: int, fault_s: float, healthy_s: float, faults: bool, layout: str = "block",
-        processes: int = 1) -> dict[str, Any]:
+        processes: int = 1, groups: bool = True) -> dict[str, Any]:
+    from hybridshard.topology.cluster import assemble_cluster
+    from hybridshard.topology.planner import plan_groups
+
     out: dict[str, Any] = {"world": world, "layout": layout, "fault_seconds": fault_s}
-    out.update(init_and_checkpoint(world, layout))
+    probes = _probes(world, layout)
+    out.update(init_and_checkpoint(world, layout, probes))
+    if groups:
+        out.update(groups_phase(plan_groups(assemble_cluster(probes))))
+        # A rank's own time from its probe to its groups: the gather tree's critical path, then the
+        # slowest rank's CPU in build_groups (the wall time of the phase is W threads' under one lock).
+        out["init_groups_s"] = out["init_s"] + out["groups_cpu_ms_max_rank"] / 1e3
     out.update(step_check_model(world))
     out.update(follower_cost(world))
     if not faults:
@@ -230,7 +241,7 @@ def _fit(results: list[dict[str, Any]], key: str) -> float | None:
     return sum((x - mx) * (y - my) for x, y in pts) / den if den else None
 
 
-PLOTTED = ("init_s", "init_bytes_per_rank", "init_bytes_max_rank", "init_bytes_rank0", "store_ops_per_rank_per_s",
+PLOTTED = ("init_s", "init_groups_s", "groups_cpu_ms_per_rank", "groups_store_ops_per_rank", "init_bytes_per_rank", "init_bytes_max_rank", "init_bytes_rank0", "store_ops_per_rank_per_s",
            "store_ops_per_check_per_rank", "store_bytes_per_check_per_rank", "detect_s", "ckpt_meta_bytes_per_rank",
            "step_check_allgather_ring_s", "step_check_tree_s")
 
@@ -266,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                         default=float(os.environ.get("HYBRIDSHARD_FAULT_SECONDS", "4")),
                         help="HYBRIDSHARD_FAULT_SECONDS for the stall and death phases (the stall lasts 1.5x it)")
     parser.add_argument("--healthy-seconds", type=float, default=5.0)
-    parser.add_argument("--no-faults", action="store_true", help="only the init, checkpoint and model figures")
+    parser.add_argument("--no-faults", action="store_true", help="only the init, groups, checkpoint and model figures")
+    parser.add_argument("--no-groups", action="store_true", help="skip creating every rank's groups (new_group, threads)")
     parser.add_argument("--layout", choices=("block", "cyclic"), default="block",
                         help="rank order of the init probes (the fault phases do not depend on it)")
     parser.add_argument("--plot", default=None, help="write a log-log PNG here (needs matplotlib)")
@@ -294,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("hybridshard").setLevel(logging.CRITICAL + 1)
     results = []
     for world in args.world:
-        result = run(world, args.fault_seconds, args.healthy_seconds, not args.no_faults, args.layout, args.processes)
+        result = run(world, args.fault_seconds, args.healthy_seconds, not args.no_faults, args.layout, args.processes,
+                     not args.no_groups)
         results.append(result)
         print(json.dumps(result), flush=True)
     for world in (1_000, 10_000, 100_000):

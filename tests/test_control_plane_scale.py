@@ -37,6 +37,11 @@ def test_control_plane_at_scale(harness, world, monkeypatch):
     # asking alone, each read every heartbeat twice (2 multi_gets; 31 KB a check at 64 ranks, 124 KB at 256).
     assert r["store_multi_get_per_check_per_rank"] <= 0.25, r
     assert r["store_bytes_per_check_per_rank"] <= 8 * 1024, r
+    # Every rank created every group (build_groups, new_group on the threaded group) and got its own
+    # (the phase checks each rank's sizes). A group's members meet once at the store: a few
+    # operations a rank whatever W, not one meeting of every rank per group (W/8 + 8 of them).
+    assert r["groups_calls_per_rank"] == world // 8 + 8, r
+    assert r["groups_store_ops_per_rank"] <= 8, r
     if world == 256:
         assert r["init_bytes_per_rank"] <= 64 * 1024, r
         assert r["init_bytes_max_rank"] <= 64 * 1024, r  # rank 0 and the block leaders of the gather tree
