@@ -83,6 +83,9 @@ class ProcessJob:
         parts = self._all("counts")
         return tuple(sum(p[i] for p in parts) for i in range(4))  # type: ignore[return-value]
 
+    def beat_rates(self, since: float, until: float) -> list[tuple[int, float]]:
+        return [r for part in self._all("beat_rates", since, until) for r in part]
+
     def begin_all(self, ranks: range) -> None:
         self._all("begin_all", ranks)
 
