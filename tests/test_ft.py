@@ -7,6 +7,7 @@ docs/fault-tolerance.md.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -105,10 +106,21 @@ def _check_against_reference(per_step: dict, final: dict, lives: list[list[dict]
             torch.testing.assert_close(state[key], value, atol=tol, rtol=0, msg=lambda m: f"{path} {key}: {m}")
 
 
-def _lighthouse():
+def _lighthouse(min_replicas: int = 1):
     # A lost group stops heartbeating: after 1 s it is dead and a quorum forms without it.
-    return torchft_lighthouse.LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000,
+    return torchft_lighthouse.LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=1000,
                                                heartbeat_timeout_ms=1000)
+
+
+@contextlib.contextmanager
+def _cleaned_up(groups: list[Group], lighthouse):
+    """Every group's processes killed and the lighthouse stopped, however the block ends."""
+    try:
+        yield
+    finally:
+        for g in groups:
+            g.kill()
+        lighthouse.shutdown()
 
 
 def _stop_soon(stop_file, logs: list[str]) -> None:
@@ -131,7 +143,7 @@ def _loopback_kill_and_heal(tmp_path, args: list[str], stop_file) -> tuple[dict,
     """The loopback form: groups of processes on 127.0.0.1, killed and started again from here."""
     lighthouse = _lighthouse()
     groups = [Group(i, 2, str(tmp_path)) for i in range(3)]
-    try:
+    with _cleaned_up(groups, lighthouse):
         for g in groups:
             g.start(lighthouse.address(), args)
         wait_for(lambda: any(r["replicas"] == 3 for r in groups[2].records()), 120,
@@ -147,10 +159,6 @@ def _loopback_kill_and_heal(tmp_path, args: list[str], stop_file) -> tuple[dict,
         _stop_soon(stop_file, [g.log(0) for g in groups])
         for g in groups:
             assert g.wait(120) == [0, 0], g.output()
-    finally:
-        for g in groups:
-            g.kill()
-        lighthouse.shutdown()
     logs = {(g.replica, rank): g.log(rank) for g in groups for rank in range(2)}
     return logs, killed_at
 
@@ -337,7 +345,7 @@ def test_every_replica_lost_resumes_from_the_last_checkpoint(tmp_path):
     groups = [Group(i, 1, str(tmp_path)) for i in range(2)]
     args = ["--stop-file", str(tmp_path / "stop"), "--until-replicas", "2", "--sleep", "0.05", "--timeout", "5",
             "--ckpt", str(tmp_path / "ckpt"), "--save-every", "3", *SGD_ARGS]
-    try:
+    with _cleaned_up(groups, lighthouse):
         for g in groups:
             g.start(lighthouse.address(), args)
         # Both past a checkpoint, together (neither stops before the stop file is written).
@@ -356,10 +364,6 @@ def test_every_replica_lost_resumes_from_the_last_checkpoint(tmp_path):
         _stop_soon(tmp_path / "stop", [g.log(0) for g in groups])
         for g in groups:
             assert g.wait(120) == [0], g.output()
-    finally:
-        for g in groups:
-            g.kill()
-        lighthouse.shutdown()
     firsts = []
     for g in groups:
         second = [r for r in g.records() if r["pid"] != first_life[g.replica]]
@@ -383,6 +387,31 @@ def test_every_replica_lost_resumes_from_the_last_checkpoint(tmp_path):
     # A first life's steps after the checkpoint were lost with it: only the second lives' are checked there.
     kept = [[r for r in life if r["step"] <= resumed_at] for life in first_lives] + second_lives
     _check_against_reference(per_step, final, kept, [g.log(0) for g in groups])
+
+
+def test_groups_that_start_together_from_other_weights_take_the_mean_from_the_first_step(tmp_path):
+    """2 replica groups x 2 ranks seeded differently, in one quorum from step 0 (the lighthouse waits
+    for both): before the first forward every group takes the first group's weights ([Note: the
+    initial sync]), so every step, the first included, equals a plain replay from that group's seed
+    in which the gradient is the mean of both groups' (losses, gradient norm, final parameters), and
+    every shard rank ends bitwise equal across the groups."""
+    lighthouse = _lighthouse(min_replicas=2)
+    groups = [Group(i, 2, str(tmp_path)) for i in range(2)]
+    with _cleaned_up(groups, lighthouse):
+        for g in groups:
+            g.start(lighthouse.address(), ["--steps", "4", "--min-replicas", "2", "--timeout", "10",
+                                           "--init-seed", str(5 * g.replica), *SGD_ARGS])
+        for g in groups:
+            assert g.wait(120) == [0, 0], g.output()
+    lives = [g.records() for g in groups]
+    history = _committed(*lives)
+    assert [r["step"] for r in history] == [1, 2, 3, 4] and all(r["replicas"] == 2 for r in history), history
+    _check_accounting(history, lives)
+    per_step, final = _replay(history)  # from seed 0: replica group 0's weights
+    _check_against_reference(per_step, final, lives, [g.log(0) for g in groups])
+    for rank in range(2):
+        done = [_done(g, rank) for g in groups]
+        assert all(d["compared"] == 2 for d in done) and done[0]["digest"] == done[1]["digest"], done
 
 
 def test_too_few_replicas_stop_with_a_clear_error(tmp_path):

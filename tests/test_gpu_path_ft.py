@@ -6,9 +6,8 @@ Its own module because its process layout is its own: each replica group is a jo
 (``benchmarks/ft_worker.py``, HYBRID_SHARD, momentum SGD with a clip that never binds, so a gradient
 off by a constant factor shows). Each run's lighthouse forms a quorum only with both groups, so
 every step of both runs commits with both and the two runs take the same samples in the same steps.
-The groups seed the same initial weights and run with ``init_sync=False``: with torchft's default,
-groups that start together do not average at their first step (docs/fault-tolerance.md, "The
-contract").
+The groups seed the same initial weights and run with ``init_sync=False``: the step-0 weight sync
+(docs/fault-tolerance.md, "The contract") has nothing to do.
 
 Required, as for every other entry of the matrix: the emulated run bitwise equal to ``streams`` (losses,
 gradient norms, final parameters, every rank's master shards and optimizer state), and through it to

@@ -9,6 +9,18 @@ replica group numbers alike because they build the same optimizer on the same mo
 dict is taken on torchft's quorum thread while the main thread may already run the next forward,
 which reads the master shards but never writes them; so the tensors are cloned there, and the
 optimizer's next update cannot change what is being sent.
+
+[Note: the initial sync]
+Groups that start from different weights must agree before their first step. torchft's own
+``init_sync`` heals every group but one at step 0, yet counts the healing groups in the mean while
+they contribute zeros, and picks the group kept per shard rank: the first step's gradient would be
+one group's, divided by the number of groups, from a different group's samples on each shard rank.
+So fault-tolerant mode runs torchft with ``init_sync=False`` and syncs the weights itself: while no
+step has committed (the quorum's step is 0 on every group in it), the first live group's master
+shards are summed with zeros from the others, before the forward. Each group copies the result
+only if the all-reduce succeeded; a group whose transfer failed keeps its own weights and fails the
+step (``should_commit``), which is retried with the sync again. The optimizer has not stepped, so
+it holds no state to send.
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
@@ -25,7 +38,7 @@ from hybridshard.runtime.engine import get_engine
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_shard_state", "shard_digest", "shard_state"]
+__all__ = ["load_shard_state", "shard_digest", "shard_state", "sync_initial_shards"]
 
 
 def _clone(value: Any) -> Any:
@@ -56,6 +69,33 @@ def load_shard_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
         for unit, shard in zip(units, shards):
             unit.flat.sharded.copy_(shard)
     optimizer.load_state_dict(state["optim"])
+
+
+def sync_initial_shards(model: nn.Module, manager: Any) -> bool:
+    """Replace this rank's master shards with the first live group's; see [Note: the initial sync].
+
+    Collective over the quorum's groups (every group in it calls it, at step 0). True when the
+    shards were replaced; False when the all-reduce failed and they were left as they were.
+    """
+    units = get_engine(model).units
+    source = manager.participating_rank() == 0
+    buffers = []
+    for unit in units:
+        unit.flat.writeback_params()  # a parameter the user re-initialised after shard() counts
+        buffer = unit.flat.sharded.detach().clone()
+        if not source:
+            buffer.zero_()
+        buffers.append(buffer)
+    works = [manager.allreduce(buffer, reduce_op=dist.ReduceOp.SUM) for buffer in buffers]
+    for work in works:
+        work.wait()
+    if manager.errored() is not None:
+        logger.warning("the initial weight sync across replica groups failed; this step will not commit")
+        return False
+    with torch.no_grad():
+        for unit, buffer in zip(units, buffers):
+            unit.flat.sharded.copy_(buffer)  # the source too: x + 0 turns -0.0 into 0.0 on every group
+    return True
 
 
 _CHUNK_BITS = 20

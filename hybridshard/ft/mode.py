@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hybridshard.ft.healing import load_shard_state, replicas_agree, shard_digest, shard_state
+from hybridshard.ft.healing import load_shard_state, replicas_agree, shard_digest, shard_state, sync_initial_shards
 from hybridshard.ft.membership import Membership
 from hybridshard.ft.replicate import ManagedReplicate
 from hybridshard.runtime.comm import collectives as C
@@ -84,7 +84,9 @@ class FaultTolerance:
     for a quorum. ``hostname`` is where the other groups reach this one (default: ``$MASTER_ADDR``
     when it is not a loopback name, else this host's name). After ``max_failed_steps`` steps in a
     row that did not commit (too few live groups, or a group failing every step) :meth:`step`
-    raises a ``RuntimeError``: the job stops, to resume from its last checkpoint.
+    raises a ``RuntimeError``: the job stops, to resume from its last checkpoint. With ``init_sync``
+    the groups of a quorum at step 0 take the first group's weights before their first forward
+    ([Note: the initial sync]); pass False when every group seeds the same weights.
     """
 
     def __init__(
@@ -147,8 +149,9 @@ class FaultTolerance:
             timeout=timedelta(seconds=timeout),
             quorum_timeout=timedelta(seconds=quorum_timeout),
             connect_timeout=timedelta(seconds=timeout),
-            init_sync=init_sync,
+            init_sync=False,  # fault-tolerant mode syncs the initial weights itself: [Note: the initial sync]
         )
+        self.init_sync = init_sync
         engine.replicate_hook = ManagedReplicate(self.manager)
         # The quorum is awaited when the forward ends, not inside backward: see [Note: managed replicate all-reduce].
         self._quorum_hook = model.register_forward_hook(engine.replicate_hook.quorum_ready)
@@ -164,8 +167,15 @@ class FaultTolerance:
         """Start this step's quorum (it completes while the forward runs). Once per optimizer step,
         before its first forward (``no_sync`` micro-batches included)."""
         self.manager.start_quorum()
-        get_engine(self.model).replicate_hook.quorum_started = True
+        hook = get_engine(self.model).replicate_hook
+        hook.quorum_started = True
         self._started = self._had_quorum = True
+        if self.init_sync and self.manager.current_step() == 0:
+            # Before the forward, and only while no step has committed: [Note: the initial sync].
+            hook.quorum_started = False
+            self.manager.wait_quorum()  # a group healing to a later step takes that step here
+            if self.manager.current_step() == 0 and self.manager.num_participants() > 1:
+                sync_initial_shards(self.model, self.manager)
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """``optimizer.step()`` if every live group finished this step (``should_commit``); True when it stepped.
