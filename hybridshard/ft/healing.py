@@ -82,10 +82,8 @@ def sync_initial_shards(model: nn.Module, manager: Any) -> bool:
     buffers = []
     for unit in units:
         unit.flat.writeback_params()  # a parameter the user re-initialised after shard() counts
-        buffer = unit.flat.sharded.detach().clone()
-        if not source:
-            buffer.zero_()
-        buffers.append(buffer)
+        shard = unit.flat.sharded.detach()
+        buffers.append(shard.clone() if source else torch.zeros_like(shard))
     works = [manager.allreduce(buffer, reduce_op=dist.ReduceOp.SUM) for buffer in buffers]
     for work in works:
         work.wait()
