@@ -166,6 +166,12 @@ class NodeProbe:
     driver_version: str | None = None
     nvml_version: str | None = None
     cuda_driver_version: int | None = None
+    network_path: tuple[str, ...] = ()
+    """Where the node sits in the network above it, top level first (``("pod1", "rack07")``): the
+    switches or blocks between it and the rest of the job, without the node itself; empty when no
+    source says (see :mod:`hybridshard.topology.netpath`)."""
+    network_source: str | None = None
+    """Which source gave :attr:`network_path` (``"HYBRIDSHARD_NETWORK_PATH"``, ``"SLURM_TOPOLOGY_ADDR"``, ...)."""
     unavailable: tuple[tuple[str, str], ...] = ()
     """``(field, reason)`` pairs, e.g. ``("gpus", "NVML library not found")``."""
 
@@ -196,6 +202,8 @@ class NodeProbe:
             "driver_version": self.driver_version,
             "nvml_version": self.nvml_version,
             "cuda_driver_version": self.cuda_driver_version,
+            "network_path": list(self.network_path),
+            "network_source": self.network_source,
             "unavailable": dict(self.unavailable),
         }
 
@@ -216,6 +224,8 @@ class NodeProbe:
             driver_version=d.get("driver_version"),
             nvml_version=d.get("nvml_version"),
             cuda_driver_version=d.get("cuda_driver_version"),
+            network_path=tuple(d.get("network_path", ())),
+            network_source=d.get("network_source"),
             unavailable=_freeze_map(d.get("unavailable")),
         )
 
@@ -301,6 +311,11 @@ class ClusterNode:
     @property
     def global_ranks(self) -> tuple[int, ...]:
         return tuple(r.rank for r in self.ranks)
+
+    @property
+    def network_path(self) -> tuple[str, ...]:
+        """Where the node sits above it, top level first; empty when unknown."""
+        return self.probe.network_path
 
     @property
     def is_contiguous(self) -> bool:
