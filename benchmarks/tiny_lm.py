@@ -108,6 +108,8 @@ class Config:
     """With ``bf16``: compute in fp16 instead, reduce in fp16 (split division), ``hs.ShardedGradScaler``."""
     shard_optimizer: bool = False
     """``shard(shard_optimizer_across_replicas=True)``: the optimizer steps 1/(S*R) slices."""
+    rack_reduce: bool | None = None
+    """``shard(rack_reduce=...)``: the replicate reduction in two hops (True), flat (False), or chosen."""
 
     @property
     def low_dtype(self) -> torch.dtype:

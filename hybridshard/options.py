@@ -70,6 +70,9 @@ class CommConfig:
     """Quantize hybrid units' all-reduce across the replicate group (``None`` or ``"none"``: exact)."""
     executor: Executor | str | None = None
     """Who issues the collectives; ``None`` reads ``HYBRIDSHARD_EXECUTOR``, else ``"auto"``."""
+    rack_reduce: bool | None = None
+    """Reduce across replicas in two hops, inside each rack then across racks (``True``), flat
+    (``False``), or as the cost model predicts faster for the groups' racks and links (``None``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -78,6 +81,7 @@ class CommConfig:
                 "(the default) or prefetch=0 to gather each unit only when it computes"
             )
         _expect_bool("CommConfig", "overlap_grads", self.overlap_grads)
+        _expect_bool("CommConfig", "rack_reduce", self.rack_reduce, optional=True)
         if self.replicate_compression is not None:
             object.__setattr__(self, "replicate_compression",
                                parse_choice(Compression, self.replicate_compression, "replicate_compression"))

@@ -151,7 +151,7 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
     hs.shard(model, strategy=cfg.strategy, groups=groups(), wrap=wrap_policy(cfg, model), mixed_precision=mp,
              prefetch=cfg.prefetch, overlap_grads=cfg.overlap_grads, replicate_compression=cfg.compression,
              executor=cfg.executor, offload=hs.CPUOffload() if cfg.offload else None,
-             shard_optimizer_across_replicas=cfg.shard_optimizer)
+             shard_optimizer_across_replicas=cfg.shard_optimizer, rack_reduce=cfg.rack_reduce)
     opt = make_optimizer(cfg, model.parameters())
     scaler = hs.ShardedGradScaler("cpu", init_scale=2.0**10) if cfg.fp16 else None
     losses, norms, counts, clip_counts = [], [], [], []

@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from hybridshard.topology.cluster import gather_cluster
 from hybridshard.topology.planner import GroupPlan, plan_groups
+from hybridshard.topology.rack_groups import RackGroups, plan_rack_groups
 from hybridshard.topology.records import ClusterView, RankProbe
 
 if TYPE_CHECKING:
@@ -124,6 +125,9 @@ class ShardGroups:
     """The cluster view the plan came from, when known."""
     device: torch.device | None = None
     """The device this rank computes on: its GPU as topology found it, else the CPU."""
+    racks: Any = None
+    """This rank's :class:`~hybridshard.topology.rack_groups.RackGroups` (the replicate reduction in two
+    hops), when the plan's replicate groups span racks of equal size; else ``None``."""
     shard_size: int = field(init=False)
     replicate_size: int = field(init=False)
     shard_rank: int = field(init=False)
@@ -180,13 +184,17 @@ def _create(rank_lists: Sequence[Sequence[int]], kind: str, backend: str | None)
     rank = dist.get_rank()
     default_pg = dist.distributed_c10d._get_default_group()
     timeout = job_timeout(default_pg)
-    if backend is None and _split_capable(default_pg):
+    # See [Note: network order] in planner.py: a group's rank follows its list, so an unsorted list is
+    # created with sort_ranks=False, which split_group cannot honour.
+    ordered = all(list(r) == sorted(r) for r in rank_lists)
+    if backend is None and ordered and _split_capable(default_pg):
         mine = dist.split_group(split_ranks=[list(r) for r in rank_lists], timeout=timeout, group_desc=kind)
         logger.debug("created %d %s groups with split_group", len(rank_lists), kind)
     else:
         mine = None
         for i, ranks in enumerate(rank_lists):
-            pg = dist.new_group(list(ranks), backend=backend, timeout=timeout, group_desc=f"{kind}{i}")
+            pg = dist.new_group(list(ranks), backend=backend, timeout=timeout, group_desc=f"{kind}{i}",
+                                sort_ranks=ordered)
             if rank in ranks:
                 mine = pg
         logger.debug("created %d %s groups with new_group", len(rank_lists), kind)
@@ -242,6 +250,7 @@ def build_groups(
     replicate = _create(plan.replicate_groups, "replicate", backend)
     name_group(shard, "shard")
     name_group(replicate, "replicate")
+    racks = _build_racks(plan, backend)
     mesh = _build_mesh(plan, shard, replicate)
     logger.info(
         "rank %d: shard group %s, replicate group %s",
@@ -249,7 +258,21 @@ def build_groups(
         plan.shard_group_of(dist.get_rank()),
         plan.replicate_group_of(dist.get_rank()),
     )
-    return ShardGroups(shard=shard, replicate=replicate, mesh=mesh, plan=plan, cluster=cluster, device=device)
+    return ShardGroups(shard=shard, replicate=replicate, mesh=mesh, plan=plan, cluster=cluster, device=device,
+                       racks=racks)
+
+
+def _build_racks(plan: GroupPlan, backend: str | None):
+    """The two-hop groups (see [Note: two hops across racks] in rack_groups.py), or ``None``."""
+    rack_plan, why = plan_rack_groups(plan)
+    if rack_plan is None:
+        logger.debug("no replicate reduction in two hops: %s", why)
+        return None
+    rack = _create(rack_plan.rack_groups, "rack", backend)
+    across = _create(rack_plan.across_groups, "across_racks", backend)
+    name_group(rack, "rack")
+    name_group(across, "across_racks")
+    return RackGroups.find(rack_plan, dist.get_rank(), rack, across)
 
 
 # -- from discovery -----------------------------------------------------------------------------

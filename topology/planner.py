@@ -14,6 +14,17 @@ rank. Every rank computes the same plan from the same view, whatever order the l
 global ranks in (torchrun's blocks, SLURM ``cyclic``, a custom launcher), and group position ``s`` is
 the same local position on every node, so replicate groups pair like with like.
 
+[Note: network order]
+Above the node the costliest links are the racks' uplinks to the spine. Domains are therefore put in
+*network order* before they are cut: by the network path of their first host (``pod/rack``, see
+:mod:`hybridshard.topology.netpath`), then by their lowest global rank. Shard groups follow that
+order, and so do the members of every replicate group: a ring over a replicate group enters and
+leaves each rack once, whatever order the launcher handed out global ranks in (a cyclic launch that
+interleaves racks would otherwise cross the spine at every hop). Without network paths every path
+is empty and the order is the canonical one above. :func:`build_groups` keeps this order as the
+group rank (``new_group(..., sort_ranks=False)``), and ``row_racks`` records each shard group's rack
+so that a replicate reduction can run in two hops (inside each rack, then across racks).
+
 [Note: choosing the shard size]
 Without ``shard_size`` the plan takes the largest size that tiles every domain (the gcd of the
 domain sizes): 8 on uniform 8-GPU nodes, 4 for a mix of 8- and 4-GPU nodes. When only 1 would tile
@@ -58,6 +69,9 @@ class GroupPlan:
     shard_group_domains: tuple[str, ...]
     """The domain key of each shard group (``"node0"``, ``"node0/nvlink1"``, ``"fabric:<uuid>/<clique>"``)."""
     notes: tuple[str, ...] = ()
+    row_racks: tuple[str, ...] = ()
+    """The rack (network path, ``"pod0/rack1"``; ``""`` when unknown) of each shard group, in plan
+    order; empty for plans made without a cluster's network paths. See [Note: network order]."""
 
     @functools.cached_property
     def _coords(self) -> dict[int, tuple[int, int]]:
@@ -90,6 +104,7 @@ class GroupPlan:
             "replicate_groups": [list(g) for g in self.replicate_groups],
             "shard_group_domains": list(self.shard_group_domains),
             "notes": list(self.notes),
+            "row_racks": list(self.row_racks),
         }
 
     @classmethod
@@ -103,7 +118,15 @@ class GroupPlan:
             replicate_groups=tuple(tuple(g) for g in d["replicate_groups"]),
             shard_group_domains=tuple(d["shard_group_domains"]),
             notes=tuple(d.get("notes", ())),
+            row_racks=tuple(d.get("row_racks", ())),
         )
+
+    def rack_rows(self) -> tuple[tuple[int, ...], ...]:
+        """The shard groups (rows) of each rack, racks in plan order; one rack when none is known."""
+        racks: dict[str, list[int]] = {}
+        for row, rack in enumerate(self.row_racks or ("",) * len(self.shard_groups)):
+            racks.setdefault(rack, []).append(row)
+        return tuple(tuple(rows) for rows in racks.values())
 
 
 def _node_domains(cluster: ClusterView) -> list[Domain]:
@@ -174,8 +197,15 @@ def find_domains(cluster: ClusterView, domain: str = "node") -> list[Domain]:
     if domain not in finders:
         raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
     domains = finders[domain](cluster)
-    domains.sort(key=lambda d: min(d.ranks))
+    paths = {n.name: n.network_path for n in cluster.nodes}
+    # See [Note: network order]: racks first, then the canonical order inside each.
+    domains.sort(key=lambda d: (paths.get(d.hosts[0], ()), min(d.ranks)))
     return domains
+
+
+def _rack_of(cluster: ClusterView, d: Domain) -> str:
+    paths = {n.name: n.network_path for n in cluster.nodes}
+    return "/".join(paths.get(d.hosts[0], ()))
 
 
 def _describe(domains: list[Domain], limit: int = 8) -> str:
@@ -219,11 +249,13 @@ def plan_groups(cluster: ClusterView, *, shard_size: int | None = None, domain: 
     size, notes = _choose_shard_size(domains, shard_size, domain)
     shard_groups: list[tuple[int, ...]] = []
     labels: list[str] = []
+    racks: list[str] = []
     for d in domains:
         pieces = len(d.ranks) // size
         for k in range(pieces):
             shard_groups.append(d.ranks[k * size : (k + 1) * size])
             labels.append(d.key if pieces == 1 else f"{d.key}#{k}")
+            racks.append(_rack_of(cluster, d))
     if domain == "nvlink":
         _check_rings(cluster, shard_groups, domains, size)
     replicate_groups = tuple(zip(*shard_groups))
@@ -238,6 +270,7 @@ def plan_groups(cluster: ClusterView, *, shard_size: int | None = None, domain: 
         replicate_groups=replicate_groups,
         shard_group_domains=tuple(labels),
         notes=tuple(notes),
+        row_racks=tuple(racks) if any(racks) else (),
     )
 
 
@@ -279,7 +312,8 @@ def format_plan(plan: GroupPlan, *, max_rows: int = 16) -> str:
         out = [f"{title} ({len(groups)} x {len(groups[0]) if groups else 0} ranks):"]
         for i, g in enumerate(groups[:max_rows]):
             members = ", ".join(map(str, g[:max_rows])) + (", ..." if len(g) > max_rows else "")
-            where = f"  [{labels[i]}]" if labels else ""
+            rack = f" @ {plan.row_racks[i]}" if labels and plan.row_racks else ""
+            where = f"  [{labels[i]}{rack}]" if labels else ""
             out.append(f"  {i:>4}: {members}{where}")
         if len(groups) > max_rows:
             out.append(f"  ... {len(groups) - max_rows} more")

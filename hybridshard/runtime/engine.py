@@ -104,6 +104,8 @@ class Engine:
         (CUDA); see :mod:`hybridshard.runtime.comm.executors.select`."""
         self.compressor = compressor
         """A :class:`~hybridshard.runtime.grads.compression.ReplicateCompressor` for hybrid units, or ``None``."""
+        self.rack_reduce = False
+        """Hybrid units reduce across replicas in two hops (their groups' ``racks``); see [Note: two hops across racks]."""
         self.replicate_hook: ManagedReplicate | None = None
         """Fault-tolerant mode: reduces hybrid units' shards across replica groups in place of the
         replicate group (``all_reduce(shard, stats=, async_op=)``); see :mod:`hybridshard.ft`."""

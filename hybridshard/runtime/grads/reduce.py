@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridshard.runtime.comm import collectives as C
+from hybridshard.runtime.comm import two_hop
 from hybridshard.runtime.comm.executors import emulate
 
 if TYPE_CHECKING:
@@ -187,8 +188,11 @@ class GradReduction:
             return engine.replicate_hook.all_reduce(shard, stats=engine.stats, async_op=async_op)
         if unit.groups.replicate_size == 1:
             return None
-        compressor = engine.compressor
-        if compressor is not None and unit.strategy.is_hybrid:
+        compressor = engine.compressor if unit.strategy.is_hybrid else None
+        if engine.rack_reduce and unit.strategy.is_hybrid:  # see [Note: two hops across racks]
+            return two_hop.all_reduce(shard, unit.groups.racks, stats=engine.stats, async_op=async_op,
+                                      compressor=compressor, key=unit.index)
+        if compressor is not None:
             compressor.all_reduce(shard, unit.groups.replicate, key=unit.index, stats=engine.stats)
             return None
         return C.all_reduce(shard, unit.groups.replicate, stats=engine.stats, async_op=async_op)

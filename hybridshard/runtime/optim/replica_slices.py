@@ -13,6 +13,7 @@ writing] in :mod:`hybridshard.state.pieces`).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import weakref
@@ -23,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hybridshard.runtime.comm import collectives as C
+from hybridshard.runtime.comm import two_hop
 from hybridshard.runtime.engine import get_engine
 from hybridshard.runtime.trace.position import api_call
 from hybridshard.runtime.units.unit import Unit
@@ -81,6 +83,9 @@ class ReplicaSlice:
         engine = unit.engine
         group = unit.groups.replicate
         compressor = engine.compressor
+        if engine.rack_reduce:  # see [Note: slices in two hops]
+            return out, two_hop.reduce_scatter(out, shard, unit.groups.racks, stats=engine.stats, async_op=async_op,
+                                               compressor=compressor, key=unit.index)
         if compressor is not None:
             out.copy_(compressor.reduce_scatter(shard, group, key=unit.index, stats=engine.stats))
             return out, None
@@ -95,7 +100,14 @@ class ReplicaSlice:
         # writes; with a separate master slice, the copy is the cast to the compute dtype.
         self._input = flat.owned.detach().to(flat.sharded.dtype, copy=True)
         streams = getattr(engine.executor, "streams", None)
-        if streams is None or streams.all_reduce is None:
+        if engine.rack_reduce:  # in two hops, each waited for in turn (on CUDA, by the replicate stream)
+            with contextlib.ExitStack() as side:
+                if streams is not None and streams.all_reduce is not None:
+                    side.enter_context(streams.side(streams.all_reduce))
+                two_hop.all_gather(flat.sharded, self._input, unit.groups.racks, stats=engine.stats)
+                self._pending = C.DONE if streams is None or streams.all_reduce is None else \
+                    streams.fence(streams.all_reduce, C.DONE)
+        elif streams is None or streams.all_reduce is None:
             self._pending = C.all_gather(flat.sharded, self._input, unit.groups.replicate, stats=engine.stats,
                                          async_op=True)
         else:  # CUDA: on the replicate stream, after the optimizer's work; see [Note: stream executor]

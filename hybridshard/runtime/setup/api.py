@@ -21,6 +21,7 @@ from hybridshard.runtime.setup.build import broadcast_from_rank0, build_unit, di
 from hybridshard.runtime.setup.compile import compile_units, parse_compile
 from hybridshard.runtime.setup.deferred_init import DeferredInit, has_meta
 from hybridshard.runtime.setup.model_check import INIT_SEED, check_devices, check_same_model
+from hybridshard.runtime.setup.rack_reduce import resolve_rack_reduce
 from hybridshard.runtime.setup.state_guard import guard_state_dict
 from hybridshard.runtime.units.offload import CPUOffload, parse_offload
 from hybridshard.runtime.units.strategy import MixedPrecision, ShardingStrategy
@@ -181,6 +182,13 @@ def shard(
         if sync_module_states:
             broadcast_from_rank0(buf.data, root_groups, rank0_index[id(root_groups)])
     engine.attach(units)
+    hybrid = [u for u in units if u.strategy.is_hybrid]
+    if hybrid:  # see [Note: choosing two hops]
+        engine.rack_reduce = resolve_rack_reduce(
+            comm.rack_reduce, hybrid[0].groups,
+            [u.flat.layout.shard_numel * u.reduce_dtype.itemsize for u in hybrid], device)
+    elif comm.rack_reduce:
+        resolve_rack_reduce(True, None, [], device)  # raises: no hybrid unit, no replicate reduction
     if any(u.replica_slice is not None for u in units):
         engine.replica_slices = SliceSync(units)
     engine.guard_conversions()

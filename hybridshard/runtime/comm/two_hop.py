@@ -1,0 +1,96 @@
+"""The replicate group's collectives in two hops: inside each rack, then across racks.
+
+The groups and why are [Note: two hops across racks] in :mod:`hybridshard.topology.rack_groups`:
+``racks.rack`` holds this rank's replicate-group members in its rack (``r`` ranks, this one at
+``racks.position`` = ``p``), ``racks.across`` the members at position ``p`` of every rack (``P``
+ranks, this one at ``racks.rack_index`` = ``k``), and this rank is ``k * r + p`` of the (network
+ordered) replicate group. Each function gives what the flat collective over the replicate group
+gives, up to the order of the fp32 sums.
+
+[Note: slices in two hops]
+The optimizer across replicas owns slice ``j = k * r + p`` of a shard cut into ``R = P * r`` slices
+of ``n`` values (replica_slices.py). A reduce-scatter inside the rack then across racks leaves rank
+``(k, p)`` holding contiguous block ``p * P + k`` of what it scattered, so the input is first
+permuted: the shard's ``(P, r, n)`` blocks are transposed to ``(r, P, n)``, which puts slice
+``k * r + p`` at block ``p * P + k``. The all-gather runs the other way (across racks, then inside
+the rack) and transposes back into the shard.
+
+Each phase waits for the one before (on NCCL the current stream waits, the host goes on), so the
+local copies between them are ordered on any executor; the last phase is returned in flight when
+``async_op`` is set. Collectives are counted on the groups ``"rack"`` and ``"across_racks"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Hashable
+
+import torch
+
+from hybridshard.runtime.comm import collectives as C
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["all_gather", "all_reduce", "reduce_scatter"]
+
+
+def _padded(tensor: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``tensor`` itself when its length divides by ``multiple``, else a zero-padded copy."""
+    extra = -tensor.numel() % multiple
+    if extra == 0:
+        return tensor
+    out = torch.zeros(tensor.numel() + extra, dtype=tensor.dtype, device=tensor.device)
+    out[: tensor.numel()].copy_(tensor)
+    return out
+
+
+def all_reduce(tensor: torch.Tensor, racks: Any, *, stats: C.CollectiveCounts | None = None,
+               async_op: bool = False, compressor: Any = None, key: Hashable = None) -> C.Pending | None:
+    """Sum the 1-D ``tensor`` over the replicate group in place: reduce-scatter inside the rack,
+    all-reduce the chunk across racks (compressed by ``compressor`` when given, its error feedback
+    under ``key``), all-gather inside the rack."""
+    r = racks.per_rack
+    full = _padded(tensor, r)
+    chunk = torch.empty(full.numel() // r, dtype=full.dtype, device=full.device)
+    C.reduce_scatter(chunk, full, racks.rack, stats=stats, consume=full is not tensor)
+    if compressor is not None:
+        compressor.all_reduce(chunk, racks.across, key=key, stats=stats)
+    else:
+        C.all_reduce(chunk, racks.across, stats=stats)
+    if full is tensor:
+        return C.all_gather(tensor, chunk, racks.rack, stats=stats, async_op=async_op)
+    C.all_gather(full, chunk, racks.rack, stats=stats)
+    with torch.no_grad():
+        tensor.copy_(full[: tensor.numel()])
+    return C.DONE if async_op else None
+
+
+def reduce_scatter(out: torch.Tensor, shard: torch.Tensor, racks: Any, *,
+                   stats: C.CollectiveCounts | None = None, async_op: bool = False,
+                   compressor: Any = None, key: Hashable = None) -> C.Pending | None:
+    """This replica's slice (``k * r + p``) of the sum of ``shard`` over the replicate group, into
+    ``out``; see [Note: slices in two hops]. With ``compressor`` the hop across racks is its
+    reduce-scatter (phase 1, error feedback under ``key``)."""
+    P, r, n = racks.racks, racks.per_rack, out.numel()
+    assert shard.numel() == P * r * n, (shard.numel(), P, r, n)
+    permuted = shard.view(P, r, n).transpose(0, 1).contiguous().view(-1)  # a copy: block p * P + k
+    chunk = torch.empty(P * n, dtype=shard.dtype, device=shard.device)
+    C.reduce_scatter(chunk, permuted, racks.rack, stats=stats, consume=True)
+    if compressor is not None:
+        with torch.no_grad():
+            out.copy_(compressor.reduce_scatter(chunk, racks.across, key=key, stats=stats))
+        return C.DONE if async_op else None
+    return C.reduce_scatter(out, chunk, racks.across, stats=stats, async_op=async_op, consume=True)
+
+
+def all_gather(shard: torch.Tensor, mine: torch.Tensor, racks: Any, *,
+               stats: C.CollectiveCounts | None = None) -> None:
+    """Every replica's slice into ``shard`` (slice ``j`` at ``[j * n, (j + 1) * n)``), from this
+    replica's ``mine``: across racks, then inside the rack; see [Note: slices in two hops]."""
+    P, r, n = racks.racks, racks.per_rack, mine.numel()
+    column = torch.empty(P * n, dtype=mine.dtype, device=mine.device)  # slices k' * r + p, k' = 0..P-1
+    C.all_gather(column, mine, racks.across, stats=stats)
+    gathered = torch.empty(r * P * n, dtype=mine.dtype, device=mine.device)  # (p', k', n)
+    C.all_gather(gathered, column, racks.rack, stats=stats)
+    with torch.no_grad():
+        shard.view(P, r, n).copy_(gathered.view(r, P, n).transpose(0, 1))

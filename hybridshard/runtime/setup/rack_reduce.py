@@ -1,0 +1,105 @@
+"""Whether hybrid units reduce across replicas in two hops: ``CommConfig(rack_reduce=...)``.
+
+[Note: choosing two hops]
+``True`` asks for two hops and raises when the groups have none to offer; ``False`` keeps the flat
+reduction over the replicate group; ``None`` (the default) lets the cost model of
+:mod:`hybridshard.link_cost` decide from the racks' shape, the units' gradient shard sizes and the
+links' rates. The rates come from ``HYBRIDSHARD_LINK_RATES`` (``node=100gbit,spine=50gbit``, per
+direction: a host's link and a rack's uplink) when it is set, else from a short measurement at
+``shard()`` time: an all-reduce inside the rack and one across racks, each timed on every rank,
+the slowest rank's time taken (one all-reduce of two numbers over the job), so every rank reaches
+the same decision from the same figures. The decision and its reason are logged on rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hybridshard.runtime.comm import collectives as C
+from hybridshard.topology.groups import plan_rack_groups
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LINK_RATES_ENV", "resolve_rack_reduce"]
+
+LINK_RATES_ENV = "HYBRIDSHARD_LINK_RATES"
+_PROBE_BYTES = 1 << 20
+_PROBE_ROUNDS = 3
+
+
+def _no_racks(groups: Any) -> str:
+    if groups is None or groups.replicate_size == 1:
+        return "the hybrid units have no replicate group"
+    plan = groups.plan
+    if plan is None:
+        return "the groups came from a mesh, which carries no network paths (use hybridshard.init_groups())"
+    return plan_rack_groups(plan)[1] or "the groups were built without their rack groups"
+
+
+def _measure(racks: Any, device: torch.device) -> Any:
+    """Bus bandwidths inside the rack and across racks, the slowest rank's, the same on every rank."""
+    buf = torch.zeros(_PROBE_BYTES // 4, device=device)
+    seconds = []
+    for group in (racks.rack, racks.across):
+        C.all_reduce(buf, group)  # warm up the connections
+        start = time.perf_counter()
+        for _ in range(_PROBE_ROUNDS):
+            C.all_reduce(buf, group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append((time.perf_counter() - start) / _PROBE_ROUNDS)
+    slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    rack_s, across_s = slowest.tolist()
+
+    def busbw(n: int, s: float) -> float:  # bytes per second on each link of the ring
+        return 2 * (n - 1) / n * _PROBE_BYTES / s
+
+    from hybridshard import link_cost
+
+    return link_cost.LinkRates.from_busbw(busbw(racks.per_rack, rack_s), busbw(racks.racks, across_s),
+                                          per_rack=racks.per_rack)
+
+
+def resolve_rack_reduce(choice: bool | None, groups: Any, shard_bytes: Sequence[int], device: torch.device,
+                        *, fault_tolerant: bool = False) -> bool:
+    """Two hops or flat for the hybrid units over ``groups``; see [Note: choosing two hops].
+
+    ``shard_bytes``: each hybrid unit's gradient shard in the reduce dtype, what one replicate
+    reduction moves per unit. Collective over the job when ``choice`` is ``None`` and rates must be measured.
+    """
+    racks = getattr(groups, "racks", None) if groups is not None else None
+    if choice is False:
+        return False
+    if racks is None or fault_tolerant:
+        if choice:
+            why = "fault-tolerant replicas reduce through torchft" if fault_tolerant else _no_racks(groups)
+            raise ValueError(
+                f"CommConfig(rack_reduce=True) expects replicate groups that span racks of equal size, found: {why}; "
+                "give every node its network path (HYBRIDSHARD_NETWORK_PATH, Slurm's topology, "
+                "docs/topology.md 'Racks and pods') and use hybridshard.init_groups(), or pass rack_reduce=None"
+            )
+        return False
+    if racks.replicate_rank != groups.replicate_rank:
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: expected replicate rank {racks.replicate_rank} (network order), found "
+            f"{groups.replicate_rank}; the replicate group was not created in the plan's order"
+        )
+    if choice:
+        return True
+    from hybridshard import link_cost  # TODO(dev): top-level once the module exists
+
+    given = os.environ.get(LINK_RATES_ENV)
+    rates = link_cost.LinkRates.parse(given, per_rack=racks.per_rack) if given else _measure(racks, device)
+    two_hops, why = link_cost.choose_rack_reduce(racks=racks.racks, per_rack=racks.per_rack,
+                                                 unit_bytes=list(shard_bytes), rates=rates)
+    if dist.get_rank() == 0:
+        logger.info("replicate reduction %s (%s; rates %s)", "in two hops" if two_hops else "flat", why,
+                    "from " + LINK_RATES_ENV if given else "measured")
+    return two_hops
