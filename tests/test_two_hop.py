@@ -180,3 +180,14 @@ def test_a_two_rack_checkpoint_loads_into_one_rack(pool, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("racks") / "step_2")
     for rank, got in enumerate(pool.run(_checkpoint_job, path)):
         assert got["equal"] == got["keys"], f"rank {rank}: differ: {sorted(set(got['keys']) - set(got['equal']))}"
+
+
+@pytest.mark.parametrize("assignment", sorted(RACKS))
+def test_two_hops_make_no_host_sync_on_the_emulated_device(sweeps, assignment):
+    """Under ``executor="emulate"`` the two hops' waits are stream waits: no hot-path host sync."""
+    emulated = [i for i, c in enumerate(SWEEP) if c.executor == "emulate"]
+    assert len(emulated) == 2
+    for i in emulated:
+        for rank in range(WORLD):
+            syncs = sweeps[assignment][rank][i]["host_syncs"]
+            assert syncs is not None and syncs["hot"] == {}, f"{_label(SWEEP[i])} rank {rank}: {syncs}"
