@@ -9,8 +9,8 @@ A rank's node is the node name its own probe reports (the machine, or ``HYBRIDSH
 never ``rank // local_world_size``. torchrun hands out global ranks in blocks per agent, but SLURM's
 ``cyclic`` distribution, custom launchers and elastic restarts do not; grouping by reported identity
 makes every later step correct for any rank order. The view records what it finds (ranks that are
-not contiguous, two ranks on one GPU, nodes of different sizes) and leaves judging to the planner and
-the report.
+not contiguous, two ranks on one GPU, nodes of different sizes, network paths that do not form one
+tree) and leaves judging to the planner and the report.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+from hybridshard.topology.netpath import path_notes
 from hybridshard.topology.records import ClusterNode, ClusterView, RankEntry, RankProbe
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def assemble_cluster(probes: Sequence[RankProbe]) -> ClusterView:
     if not view.is_homogeneous:
         shape = ", ".join(f"{n.name}: {len(n.ranks)} ranks/{n.probe.num_gpus} GPUs" for n in view.nodes)
         notes.append(f"nodes differ in size ({shape})")
+    notes += path_notes(view)
     for note in notes:
         logger.debug("cluster view: %s", note)
     return ClusterView(world_size=world_size, nodes=view.nodes, notes=tuple(notes))

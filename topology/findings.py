@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from hybridshard.topology.islands import find_islands
+from hybridshard.topology.netpath import path_notes, racks
+from hybridshard.topology.ranges import format_ranges
 from hybridshard.topology.records import ClusterNode, ClusterView, GpuInfo, NodeProbe, RankEntry
 from hybridshard.topology.visible import resolve_visible_devices
 
@@ -31,6 +33,8 @@ CODES = (
     "nvlink_island",
     "nic_far",
     "node_identity",
+    "network_path",
+    "uneven_racks",
 )
 _MAX_LISTED = 8
 
@@ -66,23 +70,6 @@ def has_errors(findings: Sequence[Finding]) -> bool:
     return any(f.level is Level.ERROR for f in findings)
 
 
-def format_ranges(values: Sequence[int]) -> str:
-    """``(0, 1, 2, 5, 7, 8)`` -> ``"0-2,5,7-8"``; empty -> ``"-"``."""
-    vals = sorted(set(values))
-    if not vals:
-        return "-"
-    parts = []
-    start = prev = vals[0]
-    for v in vals[1:] + [None]:  # type: ignore[list-item]
-        if v is not None and v == prev + 1:
-            prev = v
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if v is not None:
-            start = prev = v
-    return ",".join(parts)
-
-
 def _listed(items: Sequence[str]) -> str:
     more = f"; ... {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else ""
     return "; ".join(items[:_MAX_LISTED]) + more
@@ -99,6 +86,7 @@ def cluster_findings(cluster: ClusterView, plan: Any = None, *, plan_error: str 
         found += _affinity(node)
     found += _shared_gpus(cluster)
     found += _identity(cluster)
+    found += _network(cluster)
     seen_machines: set[tuple] = set()
     for node in cluster.nodes:  # one report per distinct machine shape, not per node of a uniform cluster
         shape = (node.probe.gpu_matrix, tuple(n.gpu_levels for n in node.probe.nics))
@@ -167,6 +155,28 @@ def _identity(cluster: ClusterView) -> list[Finding]:
         if len(machines) > 1:
             out.append(f"hostname {host!r} is on machines {', '.join(sorted(machines))}: hostnames do not name hosts")
     return [Finding(Level.WARNING, "node_identity", _listed(out))] if out else []
+
+
+def _network(cluster: ClusterView) -> list[Finding]:
+    """Paths that do not form one tree, and racks holding different numbers of the job's nodes."""
+    out = []
+    notes = path_notes(cluster)
+    if notes:
+        out.append(Finding(
+            Level.WARNING, "network_path",
+            f"{'; '.join(notes)}. Racks are compared by full path, so these nodes do not group with the "
+            "others; give every node a path from one source (see docs/topology.md, \"Racks and pods\").",
+        ))
+    sizes = {path: len(names) for path, names in racks(cluster).items() if path}
+    if len(set(sizes.values())) > 1:
+        shown = [f"{'/'.join(path)} has {count} node{'s' if count != 1 else ''}" for path, count in sizes.items()]
+        out.append(Finding(
+            Level.WARNING, "uneven_racks",
+            f"the job's nodes spread unevenly over racks (rack {_listed(shown).replace('; ', ', ')}). Traffic "
+            "between racks is uneven and groups cannot be laid out rack by rack alike; ask the scheduler for "
+            "the same number of nodes in each rack (Slurm: --switches, or a node list by rack).",
+        ))
+    return out
 
 
 def _heterogeneous(cluster: ClusterView) -> list[Finding]:

@@ -6,6 +6,10 @@ unless a fake is injected). ``sysfs_root`` and ``env`` are injectable so tests c
 
 See [Note: failure is data] in :mod:`hybridshard.topology.records`: a fact that cannot be collected becomes
 ``None`` plus a reason in ``unavailable``; nothing here raises because the machine lacks something.
+A setting someone got wrong is another matter: a network path source that is set but cannot be
+parsed (:mod:`hybridshard.topology.netpath`) raises ``ValueError``, as bad ``RANK`` or ``LOCAL_RANK``
+values do, since a job planned on a guessed rack would be wrong quietly; under torchrun the failing
+rank's exit stops the others.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, Callable, Mapping, TypeVar
 import psutil
 
 from hybridshard.topology.gpus import probe_gpus
+from hybridshard.topology.netpath import resolve_network_path
 from hybridshard.topology.nvml import NvmlSource, PynvmlSource
 from hybridshard.topology.records import NetInterface, NodeProbe, NumaNode, RankProbe
 from hybridshard.topology.visible import ordinal_order_problem, resolve_visible_devices
@@ -68,7 +73,8 @@ def node_name(env: Mapping[str, str] | None = None) -> str:
 def probe_node(
     nvml: NvmlSource | None = None, *, sysfs_root: str | os.PathLike[str] = "/sys", env: Mapping[str, str] | None = None
 ) -> NodeProbe:
-    """Everything discovery learns about this host. Never raises for a missing fact."""
+    """Everything discovery learns about this host. Never raises for a missing fact; raises
+    ``ValueError`` for a network path source set wrongly (see the module's docstring)."""
     node, _ = _probe_node(nvml, Path(sysfs_root), env)
     return node
 
@@ -133,6 +139,7 @@ def _probe_node(nvml: NvmlSource | None, root: Path, env: Mapping[str, str] | No
     if physical is None:
         unavailable.setdefault("cpu_cores_physical", "psutil could not count physical cores")
     nics = _fact(unavailable, "nics", lambda: probe_nics(root, psutil.net_if_stats())) or ()
+    network = resolve_network_path(os.environ if env is None else env)
     node = NodeProbe(
         node_name=node_name(env),
         hostname=socket.gethostname(),
@@ -148,6 +155,8 @@ def _probe_node(nvml: NvmlSource | None, root: Path, env: Mapping[str, str] | No
         driver_version=gpu_facts.driver_version,
         nvml_version=gpu_facts.nvml_version,
         cuda_driver_version=gpu_facts.cuda_driver_version,
+        network_path=network.path,
+        network_source=network.source,
         unavailable=tuple(sorted(unavailable.items())),
     )
     return node, gpu_facts.mig_parents

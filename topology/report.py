@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from hybridshard.topology.findings import Finding, format_ranges, has_errors
 from hybridshard.topology.islands import find_islands
+from hybridshard.topology.netpath import format_tree
 from hybridshard.topology.planner import GroupPlan, format_plan
 from hybridshard.topology.records import ClusterView, GpuInfo, NodeProbe
 from hybridshard.topology.smi import nearest_nics
@@ -79,6 +80,10 @@ def render_node(probe: NodeProbe) -> str:
         f"  CPU: {sockets} socket(s), {probe.cpu_cores_physical or '?'} cores, "
         f"{probe.cpu_cores_logical or '?'} logical CPUs; memory {_gib(probe.memory_total_bytes)}"
     )
+    if probe.network_path:
+        lines.append(f"  network: {'/'.join(probe.network_path)} (from {probe.network_source or 'unknown'})")
+    else:
+        lines.append('  network: unknown (no source gives a path; see docs/topology.md, "Racks and pods")')
     lines.append("NUMA nodes:")
     if probe.numa_nodes:
         lines += render_table(
@@ -177,7 +182,7 @@ def render_cluster(
     *,
     bandwidth_table: str | None = None,
 ) -> str:
-    """The cluster table, the group plan and the findings."""
+    """The cluster table, the network tree, the group plan and the findings."""
     lines = [f"cluster: {cluster.num_nodes} node(s), world size {cluster.world_size}"]
     rows = []
     for n in cluster.nodes[:_MAX_NODE_ROWS]:
@@ -198,7 +203,7 @@ def render_cluster(
     lines += render_table(["node", "hostname", "machine", "ranks", "GPUs", "contiguous", "rank:GPU"], rows)
     if cluster.num_nodes > _MAX_NODE_ROWS:
         lines.append(f"  ... {cluster.num_nodes - _MAX_NODE_ROWS} more nodes")
-    lines.append("")
+    lines += ["", format_tree(cluster), ""]
     lines.append(format_plan(plan) if plan is not None else "plan: none (see errors)")
     if bandwidth_table:
         lines += ["", bandwidth_table.rstrip()]

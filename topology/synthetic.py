@@ -5,7 +5,9 @@ A synthetic node has ``gpus_per_node`` GPUs in one of three NVLink shapes — ``
 pair ``NV18``), ``"pairs"`` (bridged pairs, ``SYS`` otherwise) or ``"none"`` (PCIe only) — split
 evenly over ``numa_per_node`` NUMA nodes. ``fabric_nodes_per_clique`` puts that many consecutive
 nodes into one multi-node NVLink clique. Global ranks are handed out in torchrun's ``"block"`` order,
-SLURM's ``"cyclic"`` order, or an explicit ``rank_order``.
+SLURM's ``"cyclic"`` order, or an explicit ``rank_order``. ``racks=R`` spreads the nodes over ``R``
+racks of one pod in order (node ``i`` at ``("pod0", f"rack{i * R // num_nodes}")``), and
+``network_paths`` gives each node its own path (see :mod:`hybridshard.topology.netpath`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def synthetic_node(
     numa_per_node: int = 2,
     cores_per_numa: int = 16,
     fabric: tuple[str, int] | None = None,
+    network_path: Sequence[str] = (),
 ) -> NodeProbe:
     """One node's probe with synthetic but self-consistent facts."""
     if nvlink not in NVLINK_SHAPES:
@@ -78,6 +81,8 @@ def synthetic_node(
         numa_nodes=numa_nodes,
         gpus=tuple(gpus),
         gpu_matrix=_matrix(gpus_per_node, nvlink, numa_of),
+        network_path=tuple(network_path),
+        network_source="synthetic" if network_path else None,
     )
 
 
@@ -100,15 +105,29 @@ def synthetic_cluster(
     numa_per_node: int = 2,
     fabric_nodes_per_clique: int | None = None,
     node_prefix: str = "node",
+    racks: int | None = None,
+    network_paths: Sequence[Sequence[str]] | None = None,
 ) -> ClusterView:
     """A cluster of ``num_nodes`` nodes with one rank per GPU.
 
     ``gpus_per_node`` may be a list (one count per node) for heterogeneous clusters; then ranks are
     handed out in blocks unless ``order`` gives ``(node position, local rank)`` for each global rank.
+    ``racks`` puts node ``i`` at ``("pod0", f"rack{i * racks // num_nodes}")`` (racks of equal size
+    when ``racks`` divides ``num_nodes``, else sizes one apart); ``network_paths`` gives one path per
+    node instead (``()`` for none).
     """
     counts = list(gpus_per_node) if isinstance(gpus_per_node, Sequence) else [gpus_per_node] * num_nodes
     if len(counts) != num_nodes or num_nodes < 1 or min(counts) < 1:
         raise ValueError(f"expected {num_nodes} positive GPU counts, got {counts}")
+    if racks is not None and network_paths is not None:
+        raise ValueError("expected racks or network_paths, found both; pass one")
+    if racks is not None:
+        if not 1 <= racks <= num_nodes:
+            raise ValueError(f"expected 1 <= racks <= num_nodes ({num_nodes}), found racks={racks}")
+        network_paths = [("pod0", f"rack{i * racks // num_nodes}") for i in range(num_nodes)]
+    paths = [tuple(p) for p in network_paths] if network_paths is not None else [()] * num_nodes
+    if len(paths) != num_nodes:
+        raise ValueError(f"expected one network path per node ({num_nodes}), found {len(paths)}")
     if order is None:
         if len(set(counts)) == 1:
             order = rank_order(num_nodes, counts[0], layout)
@@ -121,7 +140,8 @@ def synthetic_cluster(
             fabric = ("fabric-0000-synthetic", n // fabric_nodes_per_clique)
         nodes.append(
             synthetic_node(
-                f"{node_prefix}{n}", gpus_per_node=count, nvlink=nvlink, numa_per_node=numa_per_node, fabric=fabric
+                f"{node_prefix}{n}", gpus_per_node=count, nvlink=nvlink, numa_per_node=numa_per_node, fabric=fabric,
+                network_path=paths[n],
             )
         )
     return _one_rank_per_gpu(nodes, order)

@@ -25,12 +25,13 @@ from hybridshard.launcher.numa import compute_binding
 from hybridshard.launcher.runlog import NodeLogs, default_run_dir, read_node_records
 from hybridshard.launcher.settings import LaunchOptions, resolve_settings
 from hybridshard.launcher.summary import render_summary
+from hybridshard.topology.netpath import NETWORK_PATH_ENV, parse_path
 
 logger = logging.getLogger(__name__)
 
 _VALUE_OPTIONS = ("--nnodes", "--node-rank", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint",
                   "--rdzv-id", "--master-addr", "--master-port", "--max-restarts", "--lighthouse", "--from-smi",
-                  "--log-dir")
+                  "--log-dir", "--network-path")
 _FLAG_OPTIONS = ("--bind-numa", "--dry-run", "--fault-tolerant", "--verbose", "--no-summary", "-h", "--help")
 _ENTRY_FLAGS = {"-m": "module", "--module": "module", "--no-python": "no_python", "--no_python": "no_python"}
 _REJECTED = {"--standalone": "give no rendezvous options for a one-node job (a free local port is used)"}
@@ -60,6 +61,10 @@ def _our_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
     p.add_argument("--from-smi", metavar="FILE",
                    help="with --dry-run: plan for the machine `nvidia-smi topo -m` printed into FILE")
+    p.add_argument("--network-path", metavar="PATH",
+                   help="where this node sits in the network, top level first (e.g. pod1/rack07): sets "
+                        f"{NETWORK_PATH_ENV} for the ranks, read before Slurm's and Kubernetes' topology "
+                        "(docs/topology.md, \"Racks and pods\")")
     p.add_argument("--log-dir", help="the run directory: each rank's stdout/stderr in its own file under "
                                      "LOG_DIR/node<K>/ (default: hybridshard-logs/run-<date>-<time>, or job<SLURM_JOB_ID>); "
                                      "give every node the same one on a shared file system")
@@ -195,6 +200,9 @@ def prepare(argv: Sequence[str], env=None, *, probe: Callable | None = None) -> 
     command = build_command(settings, entry, passthrough=split.passthrough, binding=binding, logs=logs)
     if ft is not None:
         command = dataclasses.replace(command, env=command.env + ft.env)
+    if opts.network_path is not None:
+        path = "/".join(parse_path(opts.network_path, "--network-path"))
+        command = dataclasses.replace(command, env=command.env + ((NETWORK_PATH_ENV, path),))
     return opts, command
 
 

@@ -102,7 +102,12 @@ def run(args: argparse.Namespace) -> int:
 def _run_local(args: argparse.Namespace) -> int:
     from hybridshard.topology.probe import probe_node
 
-    return _print_node(args, probe_node())
+    try:
+        probe = probe_node()
+    except ValueError as err:  # a network path source set wrongly (see topology/netpath.py)
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    return _print_node(args, probe)
 
 
 def _run_smi(args: argparse.Namespace) -> int:
