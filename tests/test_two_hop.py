@@ -191,3 +191,49 @@ def test_two_hops_make_no_host_sync_on_the_emulated_device(sweeps, assignment):
         for rank in range(WORLD):
             syncs = sweeps[assignment][rank][i]["host_syncs"]
             assert syncs is not None and syncs["hot"] == {}, f"{_label(SWEEP[i])} rank {rank}: {syncs}"
+
+
+def _auto_job(rates: str | None) -> bool:
+    import os
+
+    import hybridshard as hs
+
+    RM._GROUPS["groups"] = racked_groups(RACKS["cyclic"])
+    if rates is None:
+        os.environ.pop("HYBRIDSHARD_LINK_RATES", None)
+    else:
+        os.environ["HYBRIDSHARD_LINK_RATES"] = rates
+    try:
+        model = RM.make_model()
+        hs.shard(model, strategy="HYBRID_SHARD", groups=RM.groups())  # rack_reduce=None: the cost model
+        return model.hybridshard_runtime.rack_reduce
+    finally:
+        os.environ.pop("HYBRIDSHARD_LINK_RATES", None)
+        RM._GROUPS.clear()
+
+
+@pytest.mark.parametrize("rates, expected", [("node=10gbit,spine=2.5gbit", True), ("node=10gbit,spine=40gbit", False),
+                                             (None, None)])
+def test_rack_reduce_none_asks_the_cost_model(pool, rates, expected):
+    """A spine at 1/4 of the hosts' links picks two hops, a fast one the flat ring; measured rates give
+    one answer on every rank."""
+    got = pool.run(_auto_job, rates)
+    assert len(set(got)) == 1, got
+    if expected is not None:
+        assert got[0] is expected, (rates, got)
+
+
+def _true_without_racks() -> str:
+    import hybridshard as hs
+
+    try:
+        hs.shard(RM.make_model(), strategy="HYBRID_SHARD", groups=hs.init_groups(), rack_reduce=True)
+    except ValueError as err:
+        return str(err).splitlines()[0]
+    return "no error"
+
+
+def test_rack_reduce_true_without_racks_names_why(pool):
+    first = pool.run(_true_without_racks)[0]
+    assert first.startswith("CommConfig(rack_reduce=True) expects replicate groups that span racks"), first
+    assert "the replicate groups lie in one rack" in first and "HYBRIDSHARD_NETWORK_PATH" in first, first

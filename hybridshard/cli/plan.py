@@ -13,6 +13,7 @@ import json
 import sys
 
 from hybridshard.estimates import sizing
+from hybridshard.estimates.levels import RackLayout, rack_estimate
 from hybridshard.estimates.format import parse_bytes, parse_count, render_text, to_dict
 from hybridshard.topology.planner import DOMAINS, format_plan, plan_groups
 from hybridshard.topology.records import ClusterView
@@ -56,6 +57,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                 ("master", "fp32", "master parameter, gradient and optimizer state")):
         size.add_argument(f"--{name}-dtype", choices=list(sizing.DTYPE_BYTES), default=default,
                           help=f"{what} dtype (default {default})")
+    net = p.add_argument_group("racks (with --model-params; docs/planning.md, 'Racks')")
+    net.add_argument("--racks", type=int, default=None, metavar="P",
+                     help="split the nodes evenly over P racks (default: --from's network paths, else none)")
+    net.add_argument("--rack-layout", choices=LAYOUTS, default="block",
+                     help="with --racks: consecutive nodes in one rack (block), or dealt round-robin over racks (cyclic)")
+    net.add_argument("--spine-oversubscription", type=float, default=1.0, metavar="X",
+                     help="a rack's uplink is its GPUs' network rate / X (default 1; 7 for 1:7)")
+    net.add_argument("--spine-gbps", type=float, default=None, metavar="G",
+                     help="a rack's whole uplink to the spine, Gb/s per direction (overrides --spine-oversubscription)")
     p.set_defaults(func=run)
 
 
@@ -137,9 +147,47 @@ def _size(args: argparse.Namespace, cluster: ClusterView) -> str:
         hybrid_sizes = [args.shard_size]
     estimates = sizing.estimate_all(model=model, cluster=spec, hybrid_shard_sizes=hybrid_sizes)
     rec = sizing.recommend(estimates, cluster=spec)
+    layout = _rack_layout(args, cluster)
+    racks = [rack_estimate(e, model=model, cluster=spec, layout=layout) for e in estimates] if layout else []
     if args.json:
-        return json.dumps(to_dict(model, spec, estimates, rec), indent=2)
-    return render_text(model, spec, estimates, rec, unit_source=source)
+        return json.dumps(to_dict(model, spec, estimates, rec, layout=layout, racks=racks), indent=2)
+    return render_text(model, spec, estimates, rec, unit_source=source, layout=layout, racks=racks)
+
+
+def _rack_layout(args: argparse.Namespace, cluster: ClusterView) -> RackLayout | None:
+    """Racks from ``--racks`` (nodes split evenly), else from the nodes' network paths, else none."""
+    nodes = cluster.nodes
+    if args.racks is not None:
+        if args.racks < 1 or len(nodes) % args.racks:
+            raise ValueError(f"--racks: expected a number of racks that divides the {len(nodes)} nodes, "
+                             f"got {args.racks}; pick a divisor of {len(nodes)}")
+        per = len(nodes) // args.racks
+        node_racks = [n // per if args.rack_layout == "block" else n % args.racks for n in range(len(nodes))]
+        names = [f"rack{k}" for k in range(args.racks)]
+        source = f"--racks {args.racks}, nodes {'in blocks' if args.rack_layout == 'block' else 'dealt round-robin'}"
+    else:
+        paths = [n.network_path for n in nodes]
+        if not any(paths):
+            return None
+        missing = [n.name for n in nodes if not n.network_path]
+        if missing:
+            raise ValueError(f"expected a network path for every node, found none for {', '.join(missing[:4])}"
+                             f"{' ...' if len(missing) > 4 else ''}; give every node one, or pass --racks P")
+        names = sorted({"/".join(p) for p in paths})
+        node_racks = [names.index("/".join(p)) for p in paths]
+        source = "the nodes' network paths"
+    return RackLayout(node_racks=tuple(node_racks), rack_names=tuple(names),
+                      launch_orders=_launch_orders(cluster, node_racks), source=source, oversubscription=args.spine_oversubscription, spine_gbps=args.spine_gbps)
+
+
+def _launch_orders(cluster: ClusterView, node_racks: list[int]) -> tuple[tuple[int, ...], ...]:
+    """The rack of each member of each replicate group of a node-filling shard group (the ``k``-th rank
+    of every node), members in global-rank order; empty when the nodes differ in size."""
+    sizes = {len(n.ranks) for n in cluster.nodes}
+    if len(sizes) != 1:
+        return ()
+    return tuple(tuple(node_racks[i] for _, i in sorted((n.ranks[k].rank, i) for i, n in enumerate(cluster.nodes)))
+                 for k in range(sizes.pop()))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,6 +196,9 @@ def run(args: argparse.Namespace) -> int:
         if args.model_params is not None:
             print(_size(args, cluster))
             return 0
+        if args.racks is not None or args.spine_gbps is not None or args.spine_oversubscription != 1.0:
+            raise ValueError("--racks, --spine-gbps and --spine-oversubscription size a model's replicate reduction; "
+                             "add --model-params")
         plan = plan_groups(cluster, shard_size=args.shard_size, domain=args.domain)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

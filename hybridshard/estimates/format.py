@@ -9,6 +9,7 @@ import math
 import re
 from typing import Any, Sequence
 
+from hybridshard.estimates.levels import RackEstimate, RackLayout, rack_dict, render_racks
 from hybridshard.estimates.sizing import ClusterSpec, Estimate, LinkClass, ModelSpec, Recommendation
 
 __all__ = ["parse_bytes", "parse_count", "render_text", "to_dict"]
@@ -88,8 +89,11 @@ def _cluster_line(cluster: ClusterSpec) -> str:
 
 
 def render_text(
-    model: ModelSpec, cluster: ClusterSpec, estimates: Sequence[Estimate], rec: Recommendation, *, unit_source: str
+    model: ModelSpec, cluster: ClusterSpec, estimates: Sequence[Estimate], rec: Recommendation, *, unit_source: str,
+    layout: RackLayout | None = None, racks: Sequence[RackEstimate | None] = (),
 ) -> str:
+    """The table and the recommendation; with ``layout``, the recommended option's ``racks`` entry
+    (``racks`` is aligned with ``estimates``)."""
     lines = [_model_line(model, unit_source), _cluster_line(cluster), ""]
     rows = [list(_COLUMNS)] + [_row(e) for e in estimates]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
@@ -114,6 +118,10 @@ def render_text(
         for note in e.notes:
             by_note.setdefault(note, []).append(f"{e.label} {e.shard_size} x {e.replicate_size}")
     lines += [f"note: {', '.join(labels)}: {note}" for note, labels in by_note.items()]
+    if layout is not None and rec.choice is not None:
+        mine = racks[list(estimates).index(rec.choice)] if racks else None
+        c = rec.choice
+        lines += render_racks(layout, mine, label=f"{c.label} {c.shard_size} x {c.replicate_size}", cluster=cluster)
     return "\n".join(lines)
 
 
@@ -136,8 +144,9 @@ def _estimate_dict(e: Estimate) -> dict[str, Any]:
     }
 
 
-def to_dict(model: ModelSpec, cluster: ClusterSpec, estimates: Sequence[Estimate], rec: Recommendation) -> dict[str, Any]:
-    return {
+def to_dict(model: ModelSpec, cluster: ClusterSpec, estimates: Sequence[Estimate], rec: Recommendation, *,
+            layout: RackLayout | None = None, racks: Sequence[RackEstimate | None] = ()) -> dict[str, Any]:
+    out = {
         "model": {
             "num_params": model.num_params, "unit_params": model.unit_params, "root_params": model.root_params,
             "param_dtype": model.param_dtype, "reduce_dtype": model.reduce_dtype, "master_dtype": model.master_dtype,
@@ -156,3 +165,10 @@ def to_dict(model: ModelSpec, cluster: ClusterSpec, estimates: Sequence[Estimate
         },
         "reason": rec.reason,
     }
+    if layout is not None:
+        out["racks"] = {"source": layout.source, "rack_names": list(layout.rack_names),
+                        "node_racks": list(layout.node_racks), "spine_oversubscription": layout.oversubscription,
+                        "spine_gbps": layout.spine_gbps}
+        for option, r in zip(out["options"], racks):
+            option["racks"] = rack_dict(r)
+    return out

@@ -13,6 +13,7 @@ the same decision from the same figures. The decision and its reason are logged 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -21,6 +22,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from hybridshard import link_cost
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.topology.groups import plan_rack_groups
 
@@ -42,7 +44,7 @@ def _no_racks(groups: Any) -> str:
     return plan_rack_groups(plan)[1] or "the groups were built without their rack groups"
 
 
-def _measure(racks: Any, device: torch.device) -> Any:
+def _measure(racks: Any, device: torch.device) -> link_cost.LinkRates:
     """Bus bandwidths inside the rack and across racks, the slowest rank's, the same on every rank."""
     buf = torch.zeros(_PROBE_BYTES // 4, device=device)
     seconds = []
@@ -60,8 +62,6 @@ def _measure(racks: Any, device: torch.device) -> Any:
 
     def busbw(n: int, s: float) -> float:  # bytes per second on each link of the ring
         return 2 * (n - 1) / n * _PROBE_BYTES / s
-
-    from hybridshard import link_cost
 
     return link_cost.LinkRates.from_busbw(busbw(racks.per_rack, rack_s), busbw(racks.racks, across_s),
                                           per_rack=racks.per_rack)
@@ -93,10 +93,14 @@ def resolve_rack_reduce(choice: bool | None, groups: Any, shard_bytes: Sequence[
         )
     if choice:
         return True
-    from hybridshard import link_cost  # TODO(dev): top-level once the module exists
-
     given = os.environ.get(LINK_RATES_ENV)
-    rates = link_cost.LinkRates.parse(given, per_rack=racks.per_rack) if given else _measure(racks, device)
+    if given:  # a link's rate, shared by the shard size's replicate groups that run at once
+        rates = link_cost.LinkRates.parse(given, per_rack=racks.per_rack)
+        share = groups.shard_size
+        rates = dataclasses.replace(rates, node_bytes_per_s=rates.node_bytes_per_s / share,
+                                    spine_bytes_per_s=rates.spine_bytes_per_s / share)
+    else:  # measured with every replicate group's flows at once: already one group's share
+        rates = _measure(racks, device)
     two_hops, why = link_cost.choose_rack_reduce(racks=racks.racks, per_rack=racks.per_rack,
                                                  unit_bytes=list(shard_bytes), rates=rates)
     if dist.get_rank() == 0:
