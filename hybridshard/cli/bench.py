@@ -4,6 +4,7 @@
     hybridshard bench --strategy hybrid_shard_zero2 --inter-node-bandwidth 100mbit
     hybridshard bench --variants hybridshard,hybridshard:prefetch=0 --systems hybridshard,fsdp1
     hybridshard bench --compile --nodes 1                # eager and compiled hybridshard, FSDP2 + compile
+    hybridshard bench --racks 2 --nodes 4 --nproc-per-node 1 --inter-node-bandwidth 1gbit --spine-rate 250mbit
 
 The command starts the job itself (see [Note: bench job] in :mod:`hybridshard.bench.job`), waits,
 then prints the table (or ``--json``) from ``OUT/bench.json``; the chart is ``OUT/bench.png``. Under
@@ -30,7 +31,8 @@ _PASSED_ON = (("strategy", "--strategy"), ("systems", "--systems"), ("variants",
               ("steps", "--steps"), ("warmup", "--warmup"), ("rounds", "--rounds"), ("d_model", "--d-model"),
               ("layers", "--layers"), ("heads", "--heads"), ("seq", "--seq"), ("batch", "--batch"),
               ("vocab", "--vocab"), ("lr", "--lr"), ("seed", "--seed"), ("timeout", "--timeout"),
-              ("inter_node_bandwidth", "--inter-node-bandwidth"), ("out", "--out"))
+              ("inter_node_bandwidth", "--inter-node-bandwidth"), ("out", "--out"), ("racks", "--racks"),
+              ("spine_rate", "--spine-rate"))
 
 
 def _bandwidth(value: str) -> str | None:
@@ -75,6 +77,12 @@ def add_parser(subparsers) -> None:
                    help="compile: every hybridshard variant also runs with compile=True, FSDP2 compiles each block; "
                         "--systems defaults to hybridshard,fsdp2; compile time, frames, graph breaks and recompiles "
                         "are reported apart from step times")
+    p.add_argument("--racks", type=int, default=None, metavar="P",
+                   help="the replicate reduction's forms on P racks behind a spine (local-cluster, root): flat in a "
+                        "rack-interleaved order, flat in network order, two hops, rack_reduce=None, FSDP2; spine bytes "
+                        "from the uplinks' counters (docs/performance.md, 'Above the node')")
+    p.add_argument("--spine-rate", default=None, metavar="RATE",
+                   help="(with --racks) each rack's uplink to the spine (default: a quarter of --inter-node-bandwidth)")
     p.add_argument("--worker", action="store_true",
                    help="be one rank of a job already started (torchrun): rank 0 writes the files and prints")
     p.add_argument("--from-job", action="store_true", help=argparse.SUPPRESS)
@@ -141,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"hybridshard bench: error: {exc}", file=sys.stderr)
         return 2
+    if args.racks is not None:
+        from hybridshard.bench.rack_job import run_racks
+
+        return run_racks(args, cfg)
     if args.worker:
         from hybridshard.bench.worker import run_worker
 
