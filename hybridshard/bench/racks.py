@@ -141,8 +141,11 @@ def _run(cfg: BenchConfig, out_dir: str, *, spine_rate: str, node_rate: str) -> 
     return results
 
 
-def _rates(spine_rate: str, node_rate: str, per_rack_hosts: int) -> link_cost.LinkRates:
-    return link_cost.LinkRates.parse(f"node={node_rate},spine={spine_rate}", per_rack=per_rack_hosts)
+def _rates(spine_rate: str, node_rate: str, per_rack_hosts: int, share: int) -> link_cost.LinkRates:
+    """One replicate group's share of the links: ``share`` (the shard size) groups reduce at once."""
+    rates = link_cost.LinkRates.parse(f"node={node_rate},spine={spine_rate}", per_rack=per_rack_hosts)
+    return dataclasses.replace(rates, node_bytes_per_s=rates.node_bytes_per_s / share,
+                               spine_bytes_per_s=rates.spine_bytes_per_s / share)
 
 
 def _assemble(cfg, net, by_order, trainers, times_ms, spine, *, spine_rate: str, node_rate: str) -> dict:
@@ -151,7 +154,7 @@ def _assemble(cfg, net, by_order, trainers, times_ms, spine, *, spine_rate: str,
     rack_index = {name: k for k, name in enumerate(dict.fromkeys(plan.row_racks))}
     racks_of_rank = {rank: rack_index[plan.row_racks[row]] for row, g in enumerate(plan.shard_groups) for rank in g}
     hosts_per_rack = len(plan.shard_groups) // racks.racks  # one shard group per host (domain="node")
-    rates = _rates(spine_rate, node_rate, hosts_per_rack)
+    rates = _rates(spine_rate, node_rate, hosts_per_rack, net.shard_size)
     two = dict(trainers)["two hops"]
     # What each unit's replicate reduction moves: its fp32 gradient shard.
     unit_bytes = [u.flat.layout.shard_numel * 4 for u in two.model.hybridshard_runtime.units]
@@ -175,7 +178,7 @@ def _assemble(cfg, net, by_order, trainers, times_ms, spine, *, spine_rate: str,
     flat_s = link_cost.predict_time("flat", racks=racks.racks, per_rack=racks.per_rack, unit_bytes=unit_bytes,
                                     rates=rates)
     two_s = link_cost.predict_time("two_hop", racks=racks.racks, per_rack=racks.per_rack, unit_bytes=unit_bytes,
-                                   rates=rates)
+                                   rates=rates, overlap=False)  # the runtime runs the phases one after another
     return {
         "benchmark": "hybridshard bench --racks", "strategy": cfg.strategy, "world_size": dist.get_world_size(),
         "racks": racks.racks, "per_rack": racks.per_rack, "shard_size": net.shard_size,

@@ -8,7 +8,8 @@ links' rates. The rates come from ``HYBRIDSHARD_LINK_RATES`` (``node=100gbit,spi
 direction: a host's link and a rack's uplink) when it is set, else from a short measurement at
 ``shard()`` time: an all-reduce inside the rack and one across racks, each timed on every rank,
 the slowest rank's time taken (one all-reduce of two numbers over the job), so every rank reaches
-the same decision from the same figures. The decision and its reason are logged on rank 0.
+the same decision from the same figures. The decision and its reason are logged on rank 0. The model
+sums the two hops' phases (``overlap=False``): the executors run them one after another.
 """
 
 from __future__ import annotations
@@ -101,9 +102,34 @@ def resolve_rack_reduce(choice: bool | None, groups: Any, shard_bytes: Sequence[
                                     spine_bytes_per_s=rates.spine_bytes_per_s / share)
     else:  # measured with every replicate group's flows at once: already one group's share
         rates = _measure(racks, device)
+    # overlap=False: a unit's three phases run one after another on one thread (CPU) or one stream
+    # (CUDA), and so do the units' reductions: nothing pipelines the hops of one unit with the next's.
     two_hops, why = link_cost.choose_rack_reduce(racks=racks.racks, per_rack=racks.per_rack,
-                                                 unit_bytes=list(shard_bytes), rates=rates)
+                                                 unit_bytes=list(shard_bytes), rates=rates, overlap=False)
     if dist.get_rank() == 0:
         logger.info("replicate reduction %s (%s; rates %s)", "in two hops" if two_hops else "flat", why,
                     "from " + LINK_RATES_ENV if given else "measured")
     return two_hops
+
+
+def resolve_shard_hops(comm: Any, groups: Any) -> tuple[bool, bool]:
+    """``(two hops, keep the secondary shard)`` for hybrid units over ``groups``' shard group, from
+    ``comm.two_hop`` and ``comm.reshard_after_forward``; see [Note: a shard group in two hops] in
+    :mod:`hybridshard.runtime.comm.two_hop`."""
+    hops = getattr(groups, "shard_hops", None) if groups is not None else None
+    if hops is None and (comm.two_hop or comm.reshard_after_forward == "node"):
+        asked = "two_hop=True" if comm.two_hop else "reshard_after_forward='node'"
+        size = groups.shard_size if groups is not None else 1
+        raise ValueError(
+            f"CommConfig({asked}) expects hybrid units whose shard group spans several nodes with more than one "
+            f"rank on each, found {'no hybrid unit' if groups is None else f'a shard group of {size} ranks without two hops'}; "
+            "ask init_groups(shard_size=...) for a multiple of the ranks per node, or drop the option"
+        )
+    two = hops is not None and comm.two_hop is not False
+    keep = comm.reshard_after_forward == "node"
+    if keep and not two:
+        raise ValueError(
+            "CommConfig(reshard_after_forward='node') expects the two hops (two_hop=None or True), found two_hop=False; "
+            "the secondary shard is what the hop across nodes gathers: drop two_hop=False"
+        )
+    return two, keep
