@@ -110,6 +110,10 @@ class Config:
     """``shard(shard_optimizer_across_replicas=True)``: the optimizer steps 1/(S*R) slices."""
     rack_reduce: bool | None = None
     """``shard(rack_reduce=...)``: the replicate reduction in two hops (True), flat (False), or chosen."""
+    two_hop: bool | None = None
+    """``shard(two_hop=...)``: a shard group over several nodes in two hops (None: when it can)."""
+    reshard_after_forward: str | None = None
+    """``shard(reshard_after_forward="node")``: keep the node-local secondary shard from forward to backward."""
 
     @property
     def low_dtype(self) -> torch.dtype:

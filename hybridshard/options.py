@@ -73,6 +73,12 @@ class CommConfig:
     rack_reduce: bool | None = None
     """Reduce across replicas in two hops, inside each rack then across racks (``True``), flat
     (``False``), or as the cost model predicts faster for the groups' racks and links (``None``)."""
+    two_hop: bool | None = None
+    """Gather and reduce-scatter a shard group over several nodes in two hops, across nodes and inside
+    each (``True``), flat over the group (``False``), or whenever it has more than one rank per node (``None``)."""
+    reshard_after_forward: str | None = None
+    """``"node"``: a ZeRO-3 unit over several nodes keeps its node-local secondary shard (1/g of it)
+    from forward to backward, so backward's all-gather crosses no node; ``None``: as its strategy says."""
 
     def __post_init__(self) -> None:
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -82,6 +88,12 @@ class CommConfig:
             )
         _expect_bool("CommConfig", "overlap_grads", self.overlap_grads)
         _expect_bool("CommConfig", "rack_reduce", self.rack_reduce, optional=True)
+        _expect_bool("CommConfig", "two_hop", self.two_hop, optional=True)
+        if self.reshard_after_forward not in (None, "node"):
+            raise ValueError(
+                f"CommConfig.reshard_after_forward expects None or 'node', found {self.reshard_after_forward!r}; pass "
+                "reshard_after_forward='node' to keep a node-local secondary shard, or leave it to the strategy"
+            )
         if self.replicate_compression is not None:
             object.__setattr__(self, "replicate_compression",
                                parse_choice(Compression, self.replicate_compression, "replicate_compression"))

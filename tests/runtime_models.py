@@ -151,7 +151,8 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
     hs.shard(model, strategy=cfg.strategy, groups=groups(), wrap=wrap_policy(cfg, model), mixed_precision=mp,
              prefetch=cfg.prefetch, overlap_grads=cfg.overlap_grads, replicate_compression=cfg.compression,
              executor=cfg.executor, offload=hs.CPUOffload() if cfg.offload else None,
-             shard_optimizer_across_replicas=cfg.shard_optimizer, rack_reduce=cfg.rack_reduce)
+             shard_optimizer_across_replicas=cfg.shard_optimizer, rack_reduce=cfg.rack_reduce, two_hop=cfg.two_hop,
+             reshard_after_forward=cfg.reshard_after_forward)
     opt = make_optimizer(cfg, model.parameters())
     scaler = hs.ShardedGradScaler("cpu", init_scale=2.0**10) if cfg.fp16 else None
     losses, norms, counts, clip_counts = [], [], [], []

@@ -58,6 +58,7 @@ from hybridshard.topology.cluster import gather_cluster
 from hybridshard.topology.planner import GroupPlan, plan_groups
 from hybridshard.topology.rack_groups import RackGroups, plan_rack_groups
 from hybridshard.topology.records import ClusterView, RankProbe
+from hybridshard.topology.shard_hops import plan_shard_hops
 
 if TYPE_CHECKING:
     from hybridshard.topology.nvml import NvmlSource
@@ -114,7 +115,7 @@ class ShardGroups:
     """This rank's groups for one sharded model; see [Note: None means no group]."""
 
     shard: dist.ProcessGroup | None
-    """The ranks this rank shards parameters with (one fast domain)."""
+    """The ranks this rank shards parameters with (one fast domain, or ``plan.shard_nodes`` whole nodes)."""
     replicate: dist.ProcessGroup | None
     """The ranks holding the same shard in other domains; gradient shards are all-reduced here."""
     mesh: Any = None
@@ -128,6 +129,11 @@ class ShardGroups:
     racks: Any = None
     """This rank's :class:`~hybridshard.topology.rack_groups.RackGroups` (the replicate reduction in two
     hops), when the plan's replicate groups span racks of equal size; else ``None``."""
+    shard_hops: Any = None
+    """This rank's shard group in two hops, inside its node then across nodes, as a
+    :class:`~hybridshard.topology.rack_groups.RackGroups` (node = rack; see [Note: two hops over nodes]
+    in :mod:`hybridshard.topology.shard_hops`), when the shard group spans nodes with more than one
+    rank on each; else ``None``. Its ``replicate_rank`` is this rank's ``shard_rank``."""
     shard_size: int = field(init=False)
     replicate_size: int = field(init=False)
     shard_rank: int = field(init=False)
@@ -251,6 +257,7 @@ def build_groups(
     name_group(shard, "shard")
     name_group(replicate, "replicate")
     racks = _build_racks(plan, backend)
+    shard_hops = _build_shard_hops(plan, backend)
     mesh = _build_mesh(plan, shard, replicate)
     logger.info(
         "rank %d: shard group %s, replicate group %s",
@@ -258,8 +265,12 @@ def build_groups(
         plan.shard_group_of(dist.get_rank()),
         plan.replicate_group_of(dist.get_rank()),
     )
-    return ShardGroups(shard=shard, replicate=replicate, mesh=mesh, plan=plan, cluster=cluster, device=device,
-                       racks=racks)
+    groups = ShardGroups(shard=shard, replicate=replicate, mesh=mesh, plan=plan, cluster=cluster, device=device,
+                         racks=racks, shard_hops=shard_hops)
+    if shard_hops is not None and shard_hops.replicate_rank != groups.shard_rank:
+        raise RuntimeError(f"rank {dist.get_rank()}: two-hop place {shard_hops.replicate_rank} != shard rank "
+                           f"{groups.shard_rank}; the shard group was not created in the plan's member order")
+    return groups
 
 
 def _build_racks(plan: GroupPlan, backend: str | None):
@@ -273,6 +284,19 @@ def _build_racks(plan: GroupPlan, backend: str | None):
     name_group(rack, "rack")
     name_group(across, "across_racks")
     return RackGroups.find(rack_plan, dist.get_rank(), rack, across)
+
+
+def _build_shard_hops(plan: GroupPlan, backend: str | None):
+    """The shard group's two hops (see [Note: two hops over nodes] in shard_hops.py), or ``None``."""
+    hop_plan, why = plan_shard_hops(plan)
+    if hop_plan is None:
+        logger.debug("no shard collectives in two hops: %s", why)
+        return None
+    node = _create(hop_plan.node_groups, "shard_node", backend)
+    across = _create(hop_plan.across_groups, "shard_across", backend)
+    name_group(node, "shard_node")
+    name_group(across, "shard_across")
+    return hop_plan.groups_of(dist.get_rank(), node, across)
 
 
 # -- from discovery -----------------------------------------------------------------------------

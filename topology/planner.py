@@ -25,6 +25,9 @@ is empty and the order is the canonical one above. :func:`build_groups` keeps th
 group rank (``new_group(..., sort_ranks=False)``), and ``row_racks`` records each shard group's rack
 so that a replicate reduction can run in two hops (inside each rack, then across racks).
 
+A ``shard_size`` above the node size makes shard groups of whole nodes (``domain="node"``): see
+[Note: shard groups over nodes] in :mod:`hybridshard.topology.multinode`.
+
 [Note: choosing the shard size]
 Without ``shard_size`` the plan takes the largest size that tiles every domain (the gcd of the
 domain sizes): 8 on uniform 8-GPU nodes, 4 for a mix of 8- and 4-GPU nodes. When only 1 would tile
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from hybridshard.topology.islands import find_islands, has_ring, nvlink_graph
+from hybridshard.topology.multinode import tile_nodes
 from hybridshard.topology.records import ClusterNode, ClusterView, RankEntry
 
 __all__ = ["DOMAINS", "Domain", "GroupPlan", "find_domains", "format_plan", "plan_groups"]
@@ -72,6 +76,17 @@ class GroupPlan:
     row_racks: tuple[str, ...] = ()
     """The rack (network path, ``"pod0/rack1"``; ``""`` when unknown) of each shard group, in plan
     order; empty for plans made without a cluster's network paths. See [Note: network order]."""
+    shard_nodes: int = 1
+    """``k``: the nodes each shard group spans; above 1 only when ``shard_size`` exceeds the node size
+    (see [Note: shard groups over nodes] in :mod:`hybridshard.topology.multinode`)."""
+    shard_group_hosts: tuple[tuple[str, ...], ...] = ()
+    """With ``shard_nodes > 1``: each shard group's nodes in member order (node ``j`` holds shard ranks
+    ``j * g`` to ``j * g + g - 1``, ``g = shard_size // shard_nodes``); empty otherwise."""
+
+    @property
+    def ranks_per_node(self) -> int:
+        """``g``: members of a shard group on each of its nodes (the shard size when ``shard_nodes`` is 1)."""
+        return self.shard_size // self.shard_nodes
 
     @functools.cached_property
     def _coords(self) -> dict[int, tuple[int, int]]:
@@ -105,6 +120,8 @@ class GroupPlan:
             "shard_group_domains": list(self.shard_group_domains),
             "notes": list(self.notes),
             "row_racks": list(self.row_racks),
+            "shard_nodes": self.shard_nodes,
+            "shard_group_hosts": [list(h) for h in self.shard_group_hosts],
         }
 
     @classmethod
@@ -119,6 +136,8 @@ class GroupPlan:
             shard_group_domains=tuple(d["shard_group_domains"]),
             notes=tuple(d.get("notes", ())),
             row_racks=tuple(d.get("row_racks", ())),
+            shard_nodes=int(d.get("shard_nodes", 1)),
+            shard_group_hosts=tuple(tuple(h) for h in d.get("shard_group_hosts", ())),
         )
 
     def rack_rows(self) -> tuple[tuple[int, ...], ...]:
@@ -244,8 +263,11 @@ def _choose_shard_size(domains: list[Domain], shard_size: int | None, domain: st
 
 
 def plan_groups(cluster: ClusterView, *, shard_size: int | None = None, domain: str = "node") -> GroupPlan:
-    """Plan shard groups (inside fast domains) and replicate groups (across them); pure."""
+    """Plan shard groups (inside fast domains, or over whole nodes when ``shard_size`` exceeds the
+    node size) and replicate groups (across them); pure."""
     domains = find_domains(cluster, domain)
+    if domain == "node" and _over_nodes(domains, shard_size):
+        return _node_groups_plan(cluster, domains, shard_size)
     size, notes = _choose_shard_size(domains, shard_size, domain)
     shard_groups: list[tuple[int, ...]] = []
     labels: list[str] = []
@@ -271,6 +293,29 @@ def plan_groups(cluster: ClusterView, *, shard_size: int | None = None, domain: 
         shard_group_domains=tuple(labels),
         notes=tuple(notes),
         row_racks=tuple(racks) if any(racks) else (),
+    )
+
+
+def _over_nodes(domains: list[Domain], shard_size: int | None) -> bool:
+    """A valid ``shard_size`` above every node's rank count: shard groups of whole nodes."""
+    valid = isinstance(shard_size, int) and not isinstance(shard_size, bool)
+    return valid and shard_size > max(len(d.ranks) for d in domains)
+
+
+def _node_groups_plan(cluster: ClusterView, domains: list[Domain], shard_size: int) -> GroupPlan:
+    """See [Note: shard groups over nodes] in :mod:`hybridshard.topology.multinode`."""
+    tiling = tile_nodes(domains, shard_size, {n.name: "/".join(n.network_path) for n in cluster.nodes})
+    return GroupPlan(
+        world_size=cluster.world_size,
+        shard_size=shard_size,
+        replicate_size=len(tiling.groups),
+        domain="node",
+        shard_groups=tiling.groups,
+        replicate_groups=tuple(zip(*tiling.groups)),
+        shard_group_domains=tiling.labels,
+        row_racks=tiling.racks if any(tiling.racks) else (),
+        shard_nodes=tiling.nodes_per_group,
+        shard_group_hosts=tiling.hosts,
     )
 
 
@@ -322,7 +367,8 @@ def format_plan(plan: GroupPlan, *, max_rows: int = 16) -> str:
     lines = [
         f"plan: world size {plan.world_size} = {plan.replicate_size} replica{'s' if plan.replicate_size != 1 else ''}"
         f" x shard size {plan.shard_size} "
-        f"(domain: {plan.domain})"
+        f"(domain: {plan.domain}"
+        + (f", {plan.shard_nodes} nodes x {plan.ranks_per_node} ranks per shard group)" if plan.shard_nodes > 1 else ")")
     ]
     lines += rows("shard groups", plan.shard_groups, plan.shard_group_domains)
     lines += rows("replicate groups", plan.replicate_groups, None)

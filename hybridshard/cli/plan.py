@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from hybridshard.estimates import sizing
+from hybridshard.estimates import multinode, sizing
 from hybridshard.estimates.levels import RackLayout, rack_estimate
 from hybridshard.estimates.format import parse_bytes, parse_count, render_text, to_dict
 from hybridshard.topology.planner import DOMAINS, format_plan, plan_groups
@@ -57,6 +57,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                 ("master", "fp32", "master parameter, gradient and optimizer state")):
         size.add_argument(f"--{name}-dtype", choices=list(sizing.DTYPE_BYTES), default=default,
                           help=f"{what} dtype (default {default})")
+    size.add_argument("--multi-node", action="store_true",
+                      help="size shard groups over k = 1, 2, 4 ... whole nodes instead (docs/planning.md, "
+                           "'Shard groups over nodes')")
+    size.add_argument("--headroom", type=float, default=0.10, metavar="F",
+                      help="with --multi-node: fraction of GPU memory kept for activations (default 0.1)")
     net = p.add_argument_group("racks (with --model-params; docs/planning.md, 'Racks')")
     net.add_argument("--racks", type=int, default=None, metavar="P",
                      help="split the nodes evenly over P racks (default: --from's network paths, else none)")
@@ -140,6 +145,8 @@ def _size(args: argparse.Namespace, cluster: ClusterView) -> str:
         node_sizes=tuple(len(n.ranks) for n in cluster.nodes), gpu_memory_bytes=_gpu_memory(args, cluster),
         intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
     )
+    if args.multi_node:
+        return _size_nodes(args, cluster, model, spec)
     hybrid_sizes = None
     if args.shard_size is not None:
         if args.shard_size not in sizing.shard_sizes(spec):
@@ -152,6 +159,20 @@ def _size(args: argparse.Namespace, cluster: ClusterView) -> str:
     if args.json:
         return json.dumps(to_dict(model, spec, estimates, rec, layout=layout, racks=racks), indent=2)
     return render_text(model, spec, estimates, rec, unit_source=source, layout=layout, racks=racks)
+
+
+def _size_nodes(args: argparse.Namespace, cluster: ClusterView, model: sizing.ModelSpec, spec: sizing.ClusterSpec) -> str:
+    """``--multi-node``: the settings of shard groups over k whole nodes, and the smallest k that fits."""
+    layout = _rack_layout(args, cluster)
+    settings = multinode.node_settings(model=model, cluster=spec, rack_sizes=layout.rack_sizes if layout else ())
+    rec = multinode.recommend_nodes(settings, cluster=spec, headroom=args.headroom)
+    if args.json:
+        return json.dumps(multinode.settings_dict(settings, rec), indent=2)
+    head = (f"model: {model.num_params / 1e9:.3g}B parameters, largest unit {model.unit_params / 1e9:.3g}B, "
+            f"{model.param_dtype} compute, {model.reduce_dtype} reduce, {model.master_dtype} master, "
+            f"{model.optimizer.value}; {spec.gpu_memory_bytes / 1e9:.0f} GB per GPU"
+            + (f"; racks: {list(layout.rack_sizes)} nodes ({layout.source})" if layout else ""))
+    return "\n".join([head] + multinode.render_nodes(settings, rec, cluster=spec))
 
 
 def _rack_layout(args: argparse.Namespace, cluster: ClusterView) -> RackLayout | None:

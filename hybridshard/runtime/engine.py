@@ -106,6 +106,9 @@ class Engine:
         """A :class:`~hybridshard.runtime.grads.compression.ReplicateCompressor` for hybrid units, or ``None``."""
         self.rack_reduce = False
         """Hybrid units reduce across replicas in two hops (their groups' ``racks``); see [Note: two hops across racks]."""
+        self.shard_two_hop = self.keep_secondary = False
+        """Shard groups over several nodes gather and reduce-scatter in two hops; the node-local secondary
+        shard kept from forward to backward; see [Note: a shard group in two hops]."""
         self.replicate_hook: ManagedReplicate | None = None
         """Fault-tolerant mode: reduces hybrid units' shards across replica groups in place of the
         replicate group (``all_reduce(shard, stats=, async_op=)``); see :mod:`hybridshard.ft`."""

@@ -31,7 +31,7 @@ from hybridshard.runtime.comm import collectives as C
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["all_gather", "all_reduce", "reduce_scatter"]
+__all__ = ["ShardHops", "all_gather", "all_reduce", "gather", "reduce_scatter"]
 
 
 def _padded(tensor: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -94,3 +94,74 @@ def all_gather(shard: torch.Tensor, mine: torch.Tensor, racks: Any, *,
     C.all_gather(gathered, column, racks.rack, stats=stats)
     with torch.no_grad():
         shard.view(P, r, n).copy_(gathered.view(r, P, n).transpose(0, 1))
+
+
+# -- a shard group over several nodes ---------------------------------------------------------------
+#
+# [Note: a shard group in two hops]
+# A shard group of k nodes with g ranks on each (``hops``: ``rack`` = this rank's node, g members in
+# position order; ``across`` = the k members at its position, in node order) is node-major: member
+# (node j, position p) is shard rank ``j * g + p`` and holds block ``j * g + p`` of the flat buffer, so
+# a flat ring over the group leaves each node once. The hops are the replicate reduction's, nodes for
+# racks: gathering across nodes gives this rank blocks ``j' * g + p`` (``j' = 0 .. k-1``, ``k * n``
+# values: the *node-local secondary shard*, 1/g of the unit), gathering those inside the node gives
+# them in ``(p', j')`` order, and one transposing copy puts the buffer in its usual order (after the
+# last hop's wait, so a prefetch stays in flight). The reduce-scatter transposes first ([Note: slices
+# in two hops]). Out of every node go ``(k - 1) / k`` of the buffer, not the flat ring's ``(S - 1) / S``;
+# the price is one copy of the buffer each way.
+
+
+class ShardHops:
+    """A multi-node shard group's hops for one gather; see [Note: a shard group in two hops].
+
+    ``secondary``: this rank's node-local secondary shard kept from forward (only the hop inside the
+    node runs); ``keep``: called with the secondary shard a full gather makes, to keep it."""
+
+    __slots__ = ("hops", "secondary", "keep")
+
+    def __init__(self, hops: Any, *, secondary: torch.Tensor | None = None, keep: Any = None) -> None:
+        self.hops, self.secondary, self.keep = hops, secondary, keep
+
+
+class _ThenCopy:
+    """A collective in flight whose result is copied into place once it is waited for."""
+
+    __slots__ = ("_pending", "_copy")
+
+    def __init__(self, pending: C.Pending, copy: Any) -> None:
+        self._pending, self._copy = pending, copy
+
+    def is_completed(self) -> bool:
+        return self._copy is None
+
+    def wait(self) -> None:
+        self._pending.wait()
+        copy, self._copy = self._copy, None
+        if copy is not None:
+            copy()
+
+
+def gather(output: torch.Tensor, shard: torch.Tensor, group: Any, *, stats: C.CollectiveCounts | None = None,
+           async_op: bool = False) -> Any:
+    """All-gather ``shard`` into ``output`` over ``group``: a process group, or :class:`ShardHops`."""
+    if not isinstance(group, ShardHops):
+        return C.all_gather(output, shard, group, stats=stats, async_op=async_op)
+    hops, column = group.hops, group.secondary
+    k, g, n = hops.racks, hops.per_rack, shard.numel()
+    if column is None:
+        column = torch.empty(k * n, dtype=shard.dtype, device=shard.device)  # blocks j' * g + p
+        C.all_gather(column, shard, hops.across, stats=stats)
+        if group.keep is not None:
+            group.keep(column)
+    gathered = torch.empty(g * k * n, dtype=shard.dtype, device=shard.device)  # blocks (p', j')
+
+    def relayout() -> None:
+        with torch.no_grad():
+            output.view(k, g, n).copy_(gathered.view(g, k, n).transpose(0, 1))
+
+    pending = C.all_gather(gathered, column, hops.rack, stats=stats, async_op=True)
+    done = _ThenCopy(pending, relayout)
+    if async_op:
+        return done
+    done.wait()
+    return None

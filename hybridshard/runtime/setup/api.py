@@ -14,14 +14,14 @@ from hybridshard.options import CheckConfig, CommConfig, InitConfig, split_keywo
 from hybridshard.runtime.comm import agreement
 from hybridshard.runtime.comm.executors.select import resolve_executor
 from hybridshard.runtime.engine import Engine, holds_sharded_module
-from hybridshard.runtime.faults import exits, watchdog
+from hybridshard.runtime.faults import exits, stragglers, watchdog
 from hybridshard.runtime.grads.compression import ReplicateCompressor, parse_compression
 from hybridshard.runtime.optim.replica_slices import SliceSync
 from hybridshard.runtime.setup.build import broadcast_from_rank0, build_unit, distinct, rank0_initial_seed, rank0_shard_index
 from hybridshard.runtime.setup.compile import compile_units, parse_compile
 from hybridshard.runtime.setup.deferred_init import DeferredInit, has_meta
 from hybridshard.runtime.setup.model_check import INIT_SEED, check_devices, check_same_model
-from hybridshard.runtime.setup.rack_reduce import resolve_rack_reduce
+from hybridshard.runtime.setup.rack_reduce import resolve_rack_reduce, resolve_shard_hops
 from hybridshard.runtime.setup.state_guard import guard_state_dict
 from hybridshard.runtime.units.offload import CPUOffload, parse_offload
 from hybridshard.runtime.units.strategy import MixedPrecision, ShardingStrategy
@@ -189,9 +189,11 @@ def shard(
             [u.flat.layout.shard_numel * u.reduce_dtype.itemsize for u in hybrid], device)
     elif comm.rack_reduce:
         resolve_rack_reduce(True, None, [], device)  # raises: no hybrid unit, no replicate reduction
+    engine.shard_two_hop, engine.keep_secondary = resolve_shard_hops(comm, hybrid[0].groups if hybrid else None)
     if any(u.replica_slice is not None for u in units):
         engine.replica_slices = SliceSync(units)
     engine.guard_conversions()
+    engine.stragglers = stragglers.configure(checks.stragglers) is not None  # [Note: summaries through the store]
     guard_state_dict(model)
     if compile_options is not None:
         compile_units(units, compile_options)

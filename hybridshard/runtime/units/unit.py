@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from hybridshard.runtime.comm import collectives as C
+from hybridshard.runtime.comm import two_hop
 from hybridshard.runtime.grads.reduce import GradReduction, SyncMode
 from hybridshard.runtime.trace import hook_clock
 from hybridshard.runtime.trace.position import where
@@ -119,6 +120,9 @@ class Unit:
         """This rank's optimizer slice when the optimizer is sharded across replicas, else ``None``
         (see :mod:`hybridshard.runtime.optim.replica_slices`)."""
         self._gathering: C.Pending | None = None
+        self.secondary: torch.Tensor | None = None
+        """The node-local secondary shard kept from forward to backward (``reshard_after_forward="node"``;
+        see [Note: a shard group in two hops] in :mod:`hybridshard.runtime.comm.two_hop`)."""
         self.prefetched = False
         """Gathered ahead by the prefetcher and not used yet."""
         self.hook_seconds = 0.0
@@ -210,13 +214,26 @@ class Unit:
         if self.flat.aliases_master or not self.flat.layout.slots:
             return C.DONE  # nothing to gather: the master is the buffer, or the unit owns no parameter
         if self.groups.shard_size > 1:
-            pending = self.engine.executor.gather(self.flat.unsharded.data, self.flat.gather_input, self.groups.shard,
+            pending = self.engine.executor.gather(self.flat.unsharded.data, self.flat.gather_input, self._gather_group(),
                                                    stats=self.engine.stats, async_op=async_op, after=after)
             if after is not None:  # gloo bumps the master's version when the replicas' gather completes
                 self.gathered_versions = self.flat.master_versions()
             return pending
         self.flat.unsharded.data.copy_(self.flat.sharded, non_blocking=True)  # from pinned memory if offloaded
         return C.DONE
+
+    def _gather_group(self) -> Any:
+        """The shard group, or its two hops when the engine gathers multi-node shard groups in two."""
+        if not self.engine.shard_two_hop or self.groups.shard_hops is None:
+            return self.groups.shard
+        keep = None
+        if (self.engine.keep_secondary and self.reshard_after_forward and not self.engine.is_root(self)
+                and not self.engine.in_backward and torch.is_grad_enabled()):  # only units freed after forward
+            keep = self._keep_secondary
+        return two_hop.ShardHops(self.groups.shard_hops, secondary=self.secondary, keep=keep)
+
+    def _keep_secondary(self, column: torch.Tensor) -> None:
+        self.secondary = column
 
     def reshard(self) -> None:
         if self.sharded_state is ShardedState.GATHERING:
@@ -363,6 +380,7 @@ class Unit:
             grad = leaf.grad
             leaf.grad = None
             self.reshard()  # the parameters are done with: freed before the reduction allocates its buffers
+            self.secondary = None
             self.reduction.reduce(grad, self.engine.sync_mode, overlap=self.engine.overlap_grads)
             self.training_state = TrainingState.POST_BACKWARD
             if self.frozen_part is not None:
@@ -375,7 +393,7 @@ class Unit:
                 self.reduction.reduce(None, SyncMode.SYNC)
         self.reshard()
         self.flat.drop_staged()
-        self._forward_views = None
+        self._forward_views = self.secondary = None
         self.training_state = TrainingState.IDLE
         self._stop_watching()
 
@@ -383,7 +401,7 @@ class Unit:
         """After a backward that raised, from any state: drop its unreduced gradient, free the buffer, go
         back to IDLE."""
         self.flat.unsharded.grad = None
-        self._forward_views = None
+        self._forward_views = self.secondary = None
         self.flat.drop_staged()
         self.reshard()
         self.training_state = TrainingState.IDLE

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from hybridshard.runtime.comm import collectives as C
+from hybridshard.runtime.comm import two_hop
 from hybridshard.runtime.comm.executors.base import ExecutorBase, Finish, JobState
 
 if TYPE_CHECKING:
@@ -176,7 +177,7 @@ class StreamExecutor(ExecutorBase):
         """
         s = self.streams
         with s.side(s.all_gather, after=after):
-            fence = s.fence(s.all_gather, C.all_gather(output, make_input(), group, stats=stats, async_op=True))
+            fence = s.fence(s.all_gather, two_hop.gather(output, make_input(), group, stats=stats, async_op=True))
         if async_op:
             return fence
         fence.wait()

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from hybridshard.runtime.comm import collectives as C
+from hybridshard.runtime.comm import two_hop
 from hybridshard.runtime.comm.executors.base import ExecutorBase, Finish, JobState
 from hybridshard.runtime.trace import hook_clock, position
 
@@ -149,7 +150,7 @@ class ThreadExecutor(ExecutorBase):
         once ``after`` (if any) is done."""
         if after is not None:
             after.wait()
-        return C.all_gather(output, make_input(), group, stats=stats, async_op=async_op)
+        return two_hop.gather(output, make_input(), group, stats=stats, async_op=async_op)
 
     def submit(self, unit: Unit, full: torch.Tensor, shard: torch.Tensor,
                issue_first: Callable[[], C.Pending | None], finish: Finish) -> None:
