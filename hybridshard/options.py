@@ -109,10 +109,14 @@ class CheckConfig:
     """Compare every rank's step before each forward and backward (two tiny all-gathers per step)."""
     debug: bool | None = None
     """Also check every collective (one tiny all-gather each); ``None`` reads ``HYBRIDSHARD_DEBUG``."""
+    stragglers: bool | None = None
+    """Time each rank's compute and collectives and name slow ranks, nodes, links and racks every
+    ``HYBRIDSHARD_STRAGGLER_STEPS`` steps (docs/diagnostics.md); ``None`` reads ``HYBRIDSHARD_STRAGGLERS``."""
 
     def __post_init__(self) -> None:
         _expect_bool("CheckConfig", "check_steps", self.check_steps)
         _expect_bool("CheckConfig", "debug", self.debug, optional=True)
+        _expect_bool("CheckConfig", "stragglers", self.stragglers, optional=True)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ def _package_of(module: str) -> str:
 # Packages, lowest first; a module imports from its own package and the groups below its own.
 PACKAGE_LAYERS = [
     {"hybridshard.topology", "hybridshard.comm_bytes", "hybridshard.options"},  # leaves: nothing of hybridshard
+    {"hybridshard.link_cost"},  # the racks' cost model: comm_bytes only
     {"hybridshard.runtime", "hybridshard.diagnostics", "hybridshard.launcher"},
     {"hybridshard.state", "hybridshard.estimates"},
     {"hybridshard.ft"},
@@ -74,7 +75,7 @@ _CLI = "start-up time of the CLI: `hybridshard <command>` (and --help) imports o
 _PROBE = "optional dependency: probing imports psutil and NVML, needed only when discovering a node"
 _BY_REASON = {
     _CLI: """
-        cli.bench: bench.job bench.report bench.worker
+        cli.bench: bench.job bench.report bench.worker bench.rack_job
         cli.launch: topology.smi launcher.placement
         cli.plan: topology.smi
         cli.topo: topology.smi topology.report topology.findings topology.cluster topology.planner

@@ -32,7 +32,7 @@ _PASSED_ON = (("strategy", "--strategy"), ("systems", "--systems"), ("variants",
               ("layers", "--layers"), ("heads", "--heads"), ("seq", "--seq"), ("batch", "--batch"),
               ("vocab", "--vocab"), ("lr", "--lr"), ("seed", "--seed"), ("timeout", "--timeout"),
               ("inter_node_bandwidth", "--inter-node-bandwidth"), ("out", "--out"), ("racks", "--racks"),
-              ("spine_rate", "--spine-rate"))
+              ("spine_rate", "--spine-rate"), ("shard_nodes", "--shard-nodes"))
 
 
 def _bandwidth(value: str) -> str | None:
@@ -83,6 +83,9 @@ def add_parser(subparsers) -> None:
                         "from the uplinks' counters (docs/performance.md, 'Above the node')")
     p.add_argument("--spine-rate", default=None, metavar="RATE",
                    help="(with --racks) each rack's uplink to the spine (default: a quarter of --inter-node-bandwidth)")
+    p.add_argument("--shard-nodes", type=int, default=None, metavar="K",
+                   help="one shard group over K nodes: flat, two hops, two hops + the node-local secondary shard, FSDP2 "
+                        "(local-cluster, root); bytes from the hosts' link counters")
     p.add_argument("--worker", action="store_true",
                    help="be one rank of a job already started (torchrun): rank 0 writes the files and prints")
     p.add_argument("--from-job", action="store_true", help=argparse.SUPPRESS)
@@ -149,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"hybridshard bench: error: {exc}", file=sys.stderr)
         return 2
-    if args.racks is not None:
+    if args.racks is not None or args.shard_nodes is not None:
         from hybridshard.bench.rack_job import run_racks
 
         return run_racks(args, cfg)

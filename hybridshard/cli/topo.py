@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any, Mapping
 
+from hybridshard.diagnostics.slow_watch import find_log, read_reports, render_watch
 from hybridshard.topology.findings import Finding, Level, cluster_findings, has_errors
 from hybridshard.topology.planner import DOMAINS
 
@@ -72,10 +73,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="process group backend (default: nccl with GPUs, else gloo)",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the other ranks (default 300)")
+    p.add_argument("--watch", metavar="RUN_DIR", default=None,
+                   help="print the running job's straggler reports (RUN_DIR's stragglers.jsonl) as a per-node "
+                        "table, again every --interval seconds until interrupted (--once: one table)")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between --watch tables (default 10)")
+    p.add_argument("--once", action="store_true", help="with --watch: print the table once and exit")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.watch:
+        return _watch(args)
     env = os.environ
     cluster_mode = args.cluster or ("RANK" in env and "WORLD_SIZE" in env)
     if args.sizes and not args.bandwidth:
@@ -236,3 +244,21 @@ def _print_cluster(args: argparse.Namespace, cluster: Any, plan: Any, findings: 
         table = bandwidth.table() if bandwidth is not None else None
         print(render_cluster(cluster, plan, findings, bandwidth_table=table))
     sys.stdout.flush()
+
+
+def _watch(args: argparse.Namespace) -> int:
+    import time
+
+    while True:
+        path = find_log(args.watch)
+        if path is None and args.once:
+            print(f"error: no stragglers.jsonl in {args.watch} or its node directories; run the job with "
+                  "HYBRIDSHARD_STRAGGLERS=1 under hybridshard launch (or set HYBRIDSHARD_STRAGGLER_LOG)", file=sys.stderr)
+            return EXIT_USAGE
+        print("\n".join(render_watch(read_reports(path)) if path else ["waiting for stragglers.jsonl ..."]), flush=True)
+        if args.once:
+            return 0
+        try:
+            time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return 0

@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.log_dir:
         raise ValueError("hybridshard.launcher.agent needs torchrun's --log-dir (the node's run directory)")
     config, cmd, cmd_args = torchrun.config_from_args(args)
+    os.environ.setdefault("HYBRIDSHARD_RUN_DIR", args.log_dir)  # the ranks' straggler report goes there
     failures = _FailureLog()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addHandler(failures)
     specs = RecordingLogsSpecs(log_dir=args.log_dir, redirects=Std.from_str(args.redirects), tee=Std.from_str(args.tee),

@@ -14,6 +14,8 @@ are; what to do.
 from __future__ import annotations
 
 import datetime
+import glob
+import json
 import os
 import signal
 from dataclasses import dataclass
@@ -158,6 +160,8 @@ def render_summary(run_dir: str, nodes: list[dict] | None = None, *, expected_no
     if expected_nodes is not None and len(nodes) < expected_nodes:
         lines.append(f"  {expected_nodes - len(nodes)} of {expected_nodes} nodes left no record in {run_dir} "
                      "(a node lost before it started, or not sharing this directory: see its own console)")
+    if failed:  # a job that timed out or hung while something was slow: say what (docs/diagnostics.md)
+        lines += ["  while " + text for text in slow_verdicts(run_dir)]
     lines.append(f"logs: {run_dir}/<node>/: each rank's stdout.log and stderr.log, torchrun's torchrun.log")
     if cause is not None and (cause.stderr or cause.stdout):
         lines.append(f"  rank {cause.rank}: {os.path.dirname(cause.stderr or cause.stdout)}/{{stdout,stderr}}.log")
@@ -165,3 +169,25 @@ def render_summary(run_dir: str, nodes: list[dict] | None = None, *, expected_no
         lines.append("next: fix the root cause and run again (with checkpoints, --resume continues from the latest); "
                      "--max-restarts N restarts in place instead")
     return lines
+
+
+def slow_verdicts(run_dir: str) -> list[str]:
+    """The straggler report's active verdicts at its last report (``stragglers.jsonl`` in the run
+    directory or a node's directory; see docs/diagnostics.md), one text each."""
+    found = sorted(glob.glob(os.path.join(run_dir, "stragglers.jsonl")) +
+                   glob.glob(os.path.join(run_dir, "*", "stragglers.jsonl")))
+    last = None
+    for path in found[:1]:
+        try:
+            with open(path) as f:
+                for line in f:
+                    try:
+                        last = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+        except OSError:
+            return []
+    if not last:
+        return []
+    return [f"slow {v['kind']}: {v['subject']} ({v['group']} {v['ratio']:.2f}x at report {last['report']}); "
+            f"{v['action']}" for v in last.get("active", [])]

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map
 
 from hybridshard.runtime.comm import agreement
 from hybridshard.runtime.comm.executors.select import ExecutorKind, make_executor
+from hybridshard.runtime.faults import stragglers
 from hybridshard.runtime.grads.compression import ReplicateCompressor
 from hybridshard.runtime.grads.reduce import SyncMode
 from hybridshard.runtime.trace import hook_clock
@@ -112,6 +113,8 @@ class Engine:
         self.replicate_hook: ManagedReplicate | None = None
         """Fault-tolerant mode: reduces hybrid units' shards across replica groups in place of the
         replicate group (``all_reduce(shard, stats=, async_op=)``); see :mod:`hybridshard.ft`."""
+        self.stragglers = False
+        """Time this model's steps for the straggler report (``CheckConfig.stragglers``)."""
         self.stats = CollectiveCounts()
         """What the units' collectives moved; read by :func:`hybridshard.comm_stats`."""
         self.steps = 0
@@ -169,6 +172,7 @@ class Engine:
                     self._recover_aborted_backward()
                 if is_root and not self.in_backward:
                     self.executor.end_step()
+                    stragglers.at_forward(where.step, self.device, self.stragglers)  # see [Note: step timing]
                     where.start_forward()
                     if self.check_steps:
                         self._verify_pending_check()

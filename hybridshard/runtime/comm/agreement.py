@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from hybridshard.runtime.comm.handoff import hand_off
 from hybridshard.runtime.faults import errors, peers, watchdog
-from hybridshard.runtime.trace import issue_order
+from hybridshard.runtime.trace import issue_order, step_timing
 from hybridshard.runtime.trace.host_syncs import HostCopy, to_device
 from hybridshard.runtime.trace.position import PHASES, current_where
 from hybridshard.topology.groups import collective_device, group_ranks
@@ -161,12 +161,15 @@ class StepCheck:
         ranks differ. See [Note: step check without a host sync]."""
         if self in _CHECKS:
             _CHECKS.remove(self)
+        started = time.perf_counter() if step_timing.enabled() else None
         try:
             self._work.wait()
         except RuntimeError as err:
             raise errors.collective_failed("step check (all_reduce)", "world", dist.group.WORLD, err) from err
         finally:
             watchdog.end(self._token)
+            if started is not None:  # waiting here for a late rank is not compute (see [Note: step timing])
+                step_timing.CLOCK.blocked(started)
         _ARRIVING.append((self._step, self._world, HostCopy(self._reduced), self._row, self._seq))
         compare_arrived(before_step)
 

@@ -13,6 +13,7 @@ and with ``HYBRIDSHARD_DEBUG=1`` each one first checks that its group agrees on 
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from typing import Any, Callable
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from hybridshard.runtime.comm import agreement
 from hybridshard.runtime.comm.handoff import hand_off, sweep
 from hybridshard.runtime.faults import errors, watchdog
-from hybridshard.runtime.trace import issue_order
+from hybridshard.runtime.trace import issue_order, step_timing
 from hybridshard.runtime.trace.counters import CollectiveCounts, record
 from hybridshard.topology.groups import group_name
 
@@ -54,14 +55,17 @@ class Pending:
     """A collective issued with ``async_op=True``: :meth:`wait` blocks until it finished (then runs
     the local step that completes it, if any) and raises the named error if it failed."""
 
-    __slots__ = ("_work", "_kind", "_name", "_group", "_then", "_done", "_token")
+    __slots__ = ("_work", "_kind", "_name", "_group", "_then", "_done", "_token", "_op")
 
     def __init__(self, work: Any = None, kind: str = "", name: str = "", group: Any = None,
-                 then: Callable[[], None] | None = None, token: int | None = None) -> None:
+                 then: Callable[[], None] | None = None, token: int | None = None,
+                 op: step_timing.TimedOp | None = None) -> None:
         self._work, self._kind, self._name, self._group, self._then = work, kind, name, group, then
         self._done = work is None
         self._token = token
         """This collective in the watchdog's registry (see [Note: hang report])."""
+        self._op = op
+        """Its timing while stragglers are looked for (see [Note: step timing])."""
 
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()
@@ -69,6 +73,9 @@ class Pending:
     def wait(self) -> None:
         if self._done:
             return
+        op = self._op
+        if op is not None:
+            started, was_done = time.perf_counter(), self._work.is_completed()
         try:
             self._work.wait()
         except RuntimeError as err:
@@ -79,6 +86,10 @@ class Pending:
             watchdog.end(self._token)
         else:
             watchdog.settle(self._token)
+        if op is not None:
+            op.waited(started, was_done)
+            step_timing.end_op(op)
+            step_timing.CLOCK.blocked(started)
         self._done = True
         self._work = None  # the work holds its input and output tensors: let them go now
         sweep()  # and the aliases of earlier collectives the backend let go of (see hybridshard.runtime.comm.handoff)
@@ -121,8 +132,9 @@ def _run(
         except RuntimeError as err:
             raise errors.collective_failed(kind, name, group, err) from err
     token = watchdog.begin(kind, name, group, tensor.numel())
+    op = step_timing.CLOCK.issued(kind, name, group, tensor) if step_timing.enabled() else None
     if EMULATED:
-        return _queue(EMULATED[-1], kind, name, group, collective, then, touched, written, token, async_op, issue)
+        return _queue(EMULATED[-1], kind, name, group, collective, then, touched, written, token, async_op, issue, op)
     try:
         # Issued asynchronously either way: the handle tells the watchdog when it completed (on NCCL,
         # when the device did). A blocking call waits on it right away.
@@ -132,7 +144,7 @@ def _run(
         agreement.raise_if_out_of_step()
         raise errors.collective_failed(kind, name, group, err) from err
     watchdog.attach_work(token, work)
-    pending = Pending(work, kind, name, group, then, token)
+    pending = Pending(work, kind, name, group, then, token, op)
     if async_op:
         return pending
     pending.wait()
@@ -141,11 +153,13 @@ def _run(
 
 def _queue(device: Any, kind: str, name: str, group: Any, collective: Callable[[bool], Any],
            then: Callable[[], None] | None, touched: tuple[torch.Tensor, ...], written: int, token: int,
-           async_op: bool, issue: Any) -> Any:
+           async_op: bool, issue: Any, op: step_timing.TimedOp | None = None) -> Any:
     """Queue a collective on the emulated device's current side stream; it stays in flight (the
-    watchdog) until the stream runs it."""
+    watchdog) until the stream runs it (and is timed then)."""
 
     def run() -> None:
+        if op is not None:
+            op.issued = time.perf_counter()
         try:
             work = collective(True)
             work.wait()
@@ -154,6 +168,8 @@ def _queue(device: Any, kind: str, name: str, group: Any, collective: Callable[[
             raise errors.collective_failed(kind, name, group, err) from err
         finally:
             watchdog.end(token)
+            if op is not None:
+                op.done = time.perf_counter()
         if then is not None:
             then()
 

@@ -33,6 +33,7 @@ import torch
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.comm import two_hop
 from hybridshard.runtime.comm.executors.base import ExecutorBase, Finish, JobState
+from hybridshard.runtime.trace import step_timing
 
 if TYPE_CHECKING:
     from hybridshard.runtime.units.unit import Unit
@@ -62,7 +63,13 @@ class Fence:
         if self._event is not None and self._device is None:
             self._event.wait_here()  # the emulated device: see hybridshard/runtime/comm/executors/emulate.py
         elif self._event is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._event)
+            stream = torch.cuda.current_stream(self._device)
+            if step_timing.enabled():  # the compute stream's stall, bracketed (see [Note: step timing])
+                before = step_timing.CLOCK.stall_begins(stream)
+                stream.wait_event(self._event)
+                step_timing.CLOCK.stall_ends(before, stream)
+            else:
+                stream.wait_event(self._event)
         elif self._pending is not None:
             self._pending.wait()
 

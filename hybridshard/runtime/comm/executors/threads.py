@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -34,7 +35,7 @@ import torch
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.comm import two_hop
 from hybridshard.runtime.comm.executors.base import ExecutorBase, Finish, JobState
-from hybridshard.runtime.trace import hook_clock, position
+from hybridshard.runtime.trace import hook_clock, position, step_timing
 
 if TYPE_CHECKING:
     from hybridshard.runtime.units.unit import Unit
@@ -92,6 +93,10 @@ class GradJob:
             self.full = None
 
     def wait(self) -> torch.Tensor:
+        if step_timing.enabled() and not self._done.is_set():
+            started = time.perf_counter()
+            self._done.wait()
+            step_timing.CLOCK.blocked(started)  # the training thread waits for the communication thread
         self._done.wait()
         if self.error is not None:
             raise self.error
