@@ -1,12 +1,15 @@
 """``launch/local-cluster``: run one multi-node job on this machine, one network namespace per node.
 
     launch/local-cluster --nodes 2 --procs-per-node 2 [--inter-node-bandwidth 1gbit] [--latency 200us] -- CMD...
+    launch/local-cluster --nodes 4 --racks 2 --spine-rate 100mbit [--cut-spine-after 20] -- CMD...
 
 Every host runs ``hybridshard launch --nnodes N --node-rank K --nproc-per-node M`` with the rendezvous
 on ``host0``, so CMD starts exactly as it would on a real cluster. Output is streamed line by line,
 prefixed with the host name; the exit status is that of the first host that failed (124 on timeout,
 130 on Ctrl-C). The network is described in [Note: local network] and always removed, see
-[Note: cleanup] in :mod:`hybridshard.launcher.netns`.
+[Note: cleanup] in :mod:`hybridshard.launcher.netns`. With ``--racks`` the hosts sit in racks joined by a
+spine ([Note: racks and a spine] in :mod:`hybridshard.launcher.spine`), whose counters are logged and
+which can be cut mid-job (:mod:`hybridshard.launcher.spine_run`).
 """
 
 from __future__ import annotations
@@ -14,35 +17,31 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass
-from enum import Enum
 from typing import IO, Callable, Sequence
 
 from hybridshard.launcher.netns import IFNAME, LocalNetwork, Shaping, check_rights, remove_leftovers
+from hybridshard.launcher.spine import check_racks
+from hybridshard.launcher.spine_run import SpineCut, SpineWatch
+from hybridshard.launcher.supervisor import TIMEOUT_EXIT, HostFault, RunState, Supervisor
 from hybridshard.launcher.runlog import default_run_dir
 from hybridshard.launcher.summary import render_summary
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["main", "ClusterOptions", "HostFault", "RunState", "free_port"]
+__all__ = ["main", "ClusterOptions", "HostFault", "RunState", "SpineCut", "Supervisor", "TIMEOUT_EXIT", "free_port",
+           "run_cluster"]
+
+_Supervisor = Supervisor  # the name hybridshard/bench/job.py uses
 
 RIGHTS_EXIT = 3
-TIMEOUT_EXIT = 124
 INTERRUPT_EXIT = 130
-_PEER_GRACE_S = 15.0
-"""How long the other hosts get after one fails, before they are stopped: longer than a surviving rank
-takes to say why its collective failed (it asks for up to 3 s, 6 s more when the round's leader is
-lost: [Note: one reading for the ranks asking at once] in hybridshard/runtime/faults/asks.py). With 5 s,
-a loaded machine stopped a survivor before its traceback. Hosts that exit sooner end the wait."""
-_TERM_GRACE_S = 5.0
-_POLL_S = 0.1
+_CUT_FAULT_SECONDS = "5"
+"""``HYBRIDSHARD_FAULT_SECONDS`` of a run that cuts its spine, unless set: the store's rack then names
+the partition within about 20 s of the cut (5 s, then two readings of the heartbeats, 3 s and 9 s)."""
 # Variables that would make a host's launcher think it is already a rank, or inside SLURM.
 _DROPPED_ENV_PREFIXES = ("SLURM_", "TORCHELASTIC_")
 _DROPPED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
@@ -70,6 +69,13 @@ class ClusterOptions:
     log_dir: str | None = None
     """The run directory every host writes under (the hosts share this machine's file system); the
     failure summary, merged from every host's record, is printed by the local cluster."""
+    racks: int | None = None
+    """Split the hosts into this many racks joined by a spine ([Note: racks and a spine] in
+    :mod:`hybridshard.launcher.spine`); ``None``: every host on one bridge."""
+    spine: Shaping = Shaping()
+    """The spine's shaping: each rack's uplink, in each direction (with :attr:`racks`)."""
+    spine_cut: SpineCut | None = None
+    """Cut the spine once, mid-job (with :attr:`racks`)."""
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1:
@@ -82,32 +88,11 @@ class ClusterOptions:
             raise ValueError(f"--timeout must be > 0 seconds, found {self.timeout_s}")
         if self.fault is not None and not 0 <= self.fault.host < self.num_nodes:
             raise ValueError(f"--kill-host must be 0..{self.num_nodes - 1}, found {self.fault.host}")
-
-
-@dataclass(frozen=True)
-class HostFault:
-    """Kill one host (its launcher, agent and workers: the whole process group) when a line of its
-    output matches ``when``, and start it again ``restart_after`` seconds later (``None``: never).
-    The host's exit is then no failure of the job. For fault-tolerant jobs (docs/fault-tolerance.md)."""
-
-    host: int
-    when: str
-    restart_after: float | None = None
-
-    def __post_init__(self) -> None:
-        try:
-            re.compile(self.when)
-        except re.error as exc:
-            raise ValueError(f"--kill-when must be a regular expression, found {self.when!r}: {exc}") from None
-        if self.restart_after is not None and self.restart_after < 0:
-            raise ValueError(f"--restart-after must be >= 0 seconds, found {self.restart_after}")
-
-
-class RunState(str, Enum):
-    STARTING = "starting"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    DONE = "done"
+        if self.racks is None and (self.spine.active or self.spine_cut is not None):
+            raise ValueError("expected --racks with the --spine-*/--cut-spine-* options, found no --racks; "
+                             "pass --racks R (the spine joins the racks)")
+        if self.racks is not None:
+            check_racks(self.num_nodes, self.racks)
 
 
 class _Interrupted(Exception):
@@ -140,127 +125,11 @@ def launch_argv(opts: ClusterOptions, node_rank: int, rdzv_host: str, python: st
             *opts.launch_args, "--", *opts.command]
 
 
-class _Supervisor:
-    """Starts one process per host, streams their output, and stops them all."""
-
-    def __init__(self, out: IO[str], fault: HostFault | None = None,
-                 kill_host: Callable[[str], None] | None = None) -> None:
-        self.out = out
-        self.lock = threading.Lock()
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.threads: list[threading.Thread] = []
-        self.state = RunState.STARTING
-        self.fault = fault
-        self._kill_host = kill_host
-        self._fault_name = f"host{fault.host}" if fault is not None else None
-        self._fault_seen = threading.Event()
-        self._started: dict[str, tuple[list[str], dict[str, str]]] = {}
-
-    def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
-        self._started[name] = (argv, env)
-        t = threading.Thread(target=self._pump, args=(name, proc), daemon=True)
-        t.start()
-        self.threads.append(t)
-
-    def _pump(self, name: str, proc: subprocess.Popen) -> None:
-        assert proc.stdout is not None
-        watch = self.fault is not None and name == self._fault_name
-        for raw in iter(proc.stdout.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\n")
-            if watch and not self._fault_seen.is_set() and re.search(self.fault.when, line):
-                self._fault_seen.set()
-            with self.lock:
-                self.out.write(f"[{name}] {line}\n")
-                self.out.flush()
-
-    def _inject_fault(self, state: dict) -> None:
-        """Kill the fault's host once its output matched, start it again when due; see :class:`HostFault`."""
-        if not self._fault_seen.is_set():
-            return
-        name, now = self._fault_name, time.monotonic()
-        if "killed" not in state:
-            proc = dict(self.procs)[name]
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            if self._kill_host is not None:
-                self._kill_host(name)
-            proc.wait()
-            state["killed"] = now
-            self.say(f"killed {name} (every process of it)" + (
-                f"; starting it again in {self.fault.restart_after:g}s" if self.fault.restart_after is not None else ""))
-        elif (self.fault.restart_after is not None and "restarted" not in state
-              and now >= state["killed"] + self.fault.restart_after):
-            state["restarted"] = now
-            self.say(f"starting {name} again")
-            self.start(name, *self._started[name])
-
-    def say(self, text: str) -> None:
-        with self.lock:
-            self.out.write(f"[local-cluster] {text}\n")
-            self.out.flush()
-
-    def wait(self, timeout_s: float | None) -> int:
-        """Wait for every host; return the first failure's status (0 when all succeed)."""
-        self.state = RunState.RUNNING
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        first_failure: tuple[str, int] | None = None
-        peers_deadline = None
-        fault_state: dict = {}
-        while True:
-            self._inject_fault(fault_state)
-            codes = [(name, p.poll()) for name, p in self.procs]
-            if "killed" in fault_state and "restarted" not in fault_state:
-                codes = [(n, rc) for n, rc in codes if n != self._fault_name]  # killed on purpose
-            for name, rc in codes:
-                if rc not in (None, 0) and first_failure is None:
-                    first_failure = (name, rc)
-                    peers_deadline = time.monotonic() + _PEER_GRACE_S
-                    self.say(f"{name} failed with exit status {rc}; stopping the other hosts in {_PEER_GRACE_S:.0f}s")
-            if all(rc is not None for _, rc in codes):
-                break
-            now = time.monotonic()
-            if peers_deadline is not None and now > peers_deadline:
-                self.stop()
-                break
-            if deadline is not None and now > deadline:
-                self.say(f"timed out after {timeout_s:.0f}s; stopping every host")
-                self.stop()
-                return TIMEOUT_EXIT
-            time.sleep(_POLL_S)
-        self.join_output()
-        if first_failure is None:
-            return 0
-        rc = first_failure[1]
-        return 128 - rc if rc < 0 else rc
-
-    def stop(self) -> None:
-        """SIGTERM every host's process group, then SIGKILL what is left."""
-        self.state = RunState.STOPPING
-        for sig, grace in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, 2.0)):
-            live = [p for _, p in self.procs if p.poll() is None]
-            for p in live:
-                try:
-                    os.killpg(p.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            end = time.monotonic() + grace
-            while any(p.poll() is None for p in live) and time.monotonic() < end:
-                time.sleep(_POLL_S)
-        self.join_output()
-
-    def join_output(self) -> None:
-        for t in self.threads:
-            t.join(timeout=2.0)
-        self.state = RunState.DONE
-
-
-def run_cluster(opts: ClusterOptions, out: IO[str] = sys.stdout) -> int:
-    """Build the network, run the job on every host, always tear everything down."""
+def run_cluster(opts: ClusterOptions, out: IO[str] = sys.stdout, *,
+                on_network: Callable[[LocalNetwork], None] | None = None) -> int:
+    """Build the network, run the job on every host, always tear everything down. ``on_network`` is
+    called with the network once it is up, before the hosts start: a caller keeps it to read the
+    spine's counters, change its rate or cut it while the job runs (see :class:`LocalNetwork`)."""
     reason = check_rights()
     if reason is not None:
         print(
@@ -271,8 +140,10 @@ def run_cluster(opts: ClusterOptions, out: IO[str] = sys.stdout) -> int:
         )
         return RIGHTS_EXIT
     remove_leftovers()
-    net = LocalNetwork(opts.num_nodes, opts.shaping)
-    sup = _Supervisor(out, opts.fault, kill_host=lambda name: net.kill_host(next(h for h in net.hosts if h.name == name)))
+    net = LocalNetwork(opts.num_nodes, opts.shaping, racks=opts.racks, spine=opts.spine)
+    watch: SpineWatch | None = None
+    sup = Supervisor(out, opts.fault, kill_host=lambda name: net.kill_host(next(h for h in net.hosts if h.name == name)),
+                     on_line=lambda host, line: watch.on_line(host, line) if watch is not None else None)
     previous = {}
 
     def interrupt(signum: int, _frame: object) -> None:
@@ -285,14 +156,30 @@ def run_cluster(opts: ClusterOptions, out: IO[str] = sys.stdout) -> int:
         sup.say(f"{opts.num_nodes} hosts x {opts.procs_per_node} processes on network {net.tag}"
                 + (f", links shaped: rate {opts.shaping.rate or '-'} latency {opts.shaping.latency or '-'}"
                    if opts.shaping.active else ""))
+        if net.spine is not None:
+            sup.say(f"{len(net.spine.racks)} racks of {len(net.spine.racks[0].hosts)} hosts joined by a spine"
+                    + (f", each rack's uplink shaped: rate {opts.spine.rate or '-'} latency {opts.spine.latency or '-'}"
+                       if opts.spine.active else ""))
+            watch = SpineWatch(net, sup.say, opts.log_dir, opts.spine_cut)
+        if on_network is not None:
+            on_network(net)
         env = host_env(os.environ)
+        if opts.spine_cut is not None:
+            # The ranks' check of a stuck collective (60 s by default) would report the cut after a minute.
+            env.setdefault("HYBRIDSHARD_FAULT_SECONDS", _CUT_FAULT_SECONDS)
         rdzv_host = net.hosts[0].name
         for h in net.hosts:
             # The hosts share this machine's kernel, so discovery would see one node (see [Note: one
             # machine, one node] in hybridshard.topology.probe); name each host's node after it.
             host = dict(env, HYBRIDSHARD_NODE_NAME=h.name)
+            if h.network_path is not None:
+                host["HYBRIDSHARD_NETWORK_PATH"] = h.network_path
             sup.start(h.name, net.host_argv(h, launch_argv(opts, h.index, rdzv_host)), host)
+        if watch is not None:
+            watch.start()
         rc = sup.wait(opts.timeout_s)
+        if watch is not None:
+            watch.stop()
         if rc != 0 and opts.log_dir:
             with sup.lock:
                 out.write("\n".join(render_summary(opts.log_dir, expected_nodes=opts.num_nodes)) + "\n")
@@ -310,6 +197,8 @@ def run_cluster(opts: ClusterOptions, out: IO[str] = sys.stdout) -> int:
             signal.signal(sig, signal.SIG_IGN)
         try:
             sup.stop()
+            if watch is not None:
+                watch.stop()
             problems = net.teardown()
             if problems:
                 print(f"local-cluster: cleanup problems: {problems}", file=sys.stderr)
@@ -322,12 +211,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="local-cluster",
         description="Run CMD as a multi-node job on this machine: one network namespace per node.",
-        usage="local-cluster --nodes N --procs-per-node M [--inter-node-bandwidth RATE] [--latency DELAY] -- CMD...",
+        usage="local-cluster --nodes N --procs-per-node M [--inter-node-bandwidth RATE] [--latency DELAY] "
+              "[--racks R [--spine-rate RATE] [--spine-latency DELAY] [--cut-spine-after S | --cut-spine-when REGEX]] "
+              "-- CMD...",
     )
     p.add_argument("--nodes", type=int, default=2, help="number of hosts (default 2)")
     p.add_argument("--procs-per-node", type=int, default=2, help="ranks per host (default 2)")
     p.add_argument("--inter-node-bandwidth", metavar="RATE", help="shape each host's link, e.g. 1gbit, 50mbit")
     p.add_argument("--latency", metavar="DELAY", help="one-way delay between hosts, e.g. 200us (needs netem)")
+    p.add_argument("--racks", type=int, metavar="R", help="split the hosts into R racks (contiguous blocks) "
+                   "joined by a spine; each host gets HYBRIDSHARD_NETWORK_PATH=pod0/rack<j>")
+    p.add_argument("--spine-rate", metavar="RATE", help="(with --racks) shape each rack's uplink, e.g. 100mbit")
+    p.add_argument("--spine-latency", metavar="DELAY", help="(with --racks) one-way delay between racks, e.g. 1ms")
+    p.add_argument("--cut-spine-after", type=float, metavar="SECONDS",
+                   help="(with --racks) set every rack's uplink down this long after the hosts started")
+    p.add_argument("--cut-spine-when", metavar="REGEX",
+                   help="(with --racks) set every rack's uplink down once a line of any host's output matches REGEX")
     p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop everything after this long (exit 124)")
     p.add_argument("--port", type=int, default=29500, help="rendezvous port on host0 (default 29500)")
     p.add_argument("--launch-arg", action="append", default=[], metavar="ARG",
@@ -343,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only say whether this machine allows the namespaces (exit 0) or not (exit 3)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     return p
+
+
+def _spine_shaping(rate: str | None, latency: str | None) -> Shaping:
+    try:
+        return Shaping(rate=rate, latency=latency)
+    except ValueError as exc:  # Shaping names the host links' options
+        raise ValueError(str(exc).replace("--inter-node-bandwidth", "--spine-rate").replace("--latency", "--spine-latency")) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -367,6 +273,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout_s=args.timeout, port=args.port, launch_args=tuple(args.launch_arg),
             fault=None if args.kill_host is None else HostFault(args.kill_host, args.kill_when, args.restart_after),
             log_dir=os.path.abspath(args.log_dir or default_run_dir(os.environ)),
+            racks=args.racks, spine=_spine_shaping(args.spine_rate, args.spine_latency),
+            spine_cut=(None if args.cut_spine_after is None and args.cut_spine_when is None
+                       else SpineCut(args.cut_spine_after, args.cut_spine_when)),
         )
     except ValueError as exc:
         print(f"local-cluster: error: {exc}", file=sys.stderr)

@@ -8,6 +8,9 @@ address, so the machine's own routing never sees them. Host names resolve inside
 ``ip netns exec`` mounts ``/etc/netns/<ns>/hosts`` over ``/etc/hosts``; each program also gets its
 own UTS namespace so ``hostname`` answers ``hostK``, exactly what node discovery reads.
 
+With racks (``racks=R``, ``--racks``), each rack has a bridge of its own and the racks' bridges are
+joined through a spine bridge: [Note: racks and a spine] in :mod:`hybridshard.launcher.spine`.
+
 Shaping (``tc``): ``tbf`` limits the rate on both ends of every veth (the namespace side shapes what a
 host sends, the bridge side what it receives), so each host has a full-duplex link of the given rate
 and traffic between ranks of one host (loopback) is not shaped. Latency uses ``netem`` on the bridge
@@ -33,6 +36,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
 
+from hybridshard.launcher.spine import Spine
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["SUBNET", "Shaping", "HostSpec", "LocalNetwork", "NetState", "check_rights", "remove_leftovers",
@@ -47,6 +52,8 @@ MAX_HOSTS = 200
 _NAME_RE = re.compile(rf"^{NAME_PREFIX}([0-9a-f]+)-")
 _RATE_RE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)$", re.IGNORECASE)
 _DELAY_RE = re.compile(r"^\d+(\.\d+)?(us|ms|s)$")
+_BRIDGE_RE = re.compile(r"-(br|b\d+)$")
+"""The spine's (or the one) bridge ``<tag>-br`` and the rack bridges ``<tag>-b<j>``."""
 _CMD_TIMEOUT_S = 20.0
 _SET_HOSTNAME = "import os,socket,sys; socket.sethostname(sys.argv[1]); os.execvp(sys.argv[2], sys.argv[2:])"
 
@@ -94,6 +101,8 @@ class HostSpec:
     """Bridge-side end of the veth pair."""
     veth_peer: str
     """Namespace-side end before it is renamed to :data:`IFNAME`."""
+    network_path: str | None = None
+    """``pod0/rack<j>`` with racks (its ``HYBRIDSHARD_NETWORK_PATH``), else ``None``."""
 
 
 class NetState(str, Enum):
@@ -105,15 +114,23 @@ class NetState(str, Enum):
 class LocalNetwork:
     """The namespaces, bridge, links and shaping of one run; see [Note: local network]."""
 
-    def __init__(self, num_hosts: int, shaping: Shaping = Shaping(), *, tag: str | None = None) -> None:
+    def __init__(self, num_hosts: int, shaping: Shaping = Shaping(), *, tag: str | None = None,
+                 racks: int | None = None, spine: Shaping = Shaping()) -> None:
+        """``racks``: split the hosts into that many racks joined by a spine shaped by ``spine`` (see
+        [Note: racks and a spine] in :mod:`hybridshard.launcher.spine`); ``None``: one bridge."""
         if not 1 <= num_hosts <= MAX_HOSTS:
             raise ValueError(f"--nodes must be 1..{MAX_HOSTS}, found {num_hosts}")
+        if racks is None and spine.active:
+            raise ValueError("expected --racks with --spine-rate/--spine-latency, found no --racks; "
+                             "pass --racks R (the spine joins the racks)")
         self.tag = tag or run_tag()
         self.shaping = shaping
         self.bridge = f"{self.tag}-br"
+        self.spine = None if racks is None else Spine(self.tag, num_hosts, racks, rate=spine.rate, latency=spine.latency)
         self.hosts = tuple(
             HostSpec(index=k, name=f"host{k}", netns=f"{self.tag}-n{k}", address=f"{SUBNET}.{k + 1}",
-                     veth_host=f"{self.tag}-v{k}", veth_peer=f"{self.tag}-p{k}")
+                     veth_host=f"{self.tag}-v{k}", veth_peer=f"{self.tag}-p{k}",
+                     network_path=None if self.spine is None else self.spine.rack_of_host(k).path)
             for k in range(num_hosts)
         )
         self.state = NetState.NEW
@@ -122,8 +139,13 @@ class LocalNetwork:
         """Create everything. On failure the caller's teardown removes what was made."""
         assert self.state is NetState.NEW, f"network {self.tag} is {self.state.value}"
         self.state = NetState.UP
-        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
-        _run(["ip", "link", "set", self.bridge, "up"])
+        if self.spine is None:
+            _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+            _run(["ip", "link", "set", self.bridge, "up"])
+            ports = {h.index: self.bridge for h in self.hosts}
+        else:
+            self.spine.up(_run, _run_tc)
+            ports = self.spine.host_ports()
         hosts_file = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in self.hosts)
         for h in self.hosts:
             _run(["ip", "netns", "add", h.netns])
@@ -132,7 +154,7 @@ class LocalNetwork:
                 f.write(hosts_file)
             _run(["ip", "link", "add", h.veth_host, "type", "veth", "peer", "name", h.veth_peer])
             _run(["ip", "link", "set", h.veth_peer, "netns", h.netns])
-            _run(["ip", "link", "set", h.veth_host, "master", self.bridge])
+            _run(["ip", "link", "set", h.veth_host, "master", ports[h.index]])
             _run(["ip", "link", "set", h.veth_host, "up"])
             _run(["ip", "-n", h.netns, "link", "set", h.veth_peer, "name", IFNAME])
             _run(["ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", IFNAME])
@@ -140,7 +162,8 @@ class LocalNetwork:
             _run(["ip", "-n", h.netns, "link", "set", "lo", "up"])
             if self.shaping.active:
                 self._shape(h)
-        logger.info("local network %s up: %d hosts on %s.0/24", self.tag, len(self.hosts), SUBNET)
+        logger.info("local network %s up: %d hosts on %s.0/24%s", self.tag, len(self.hosts), SUBNET,
+                    "" if self.spine is None else f" in {len(self.spine.racks)} racks")
 
     def _shape(self, h: HostSpec) -> None:
         rate, delay = self.shaping.rate, self.shaping.latency
@@ -158,6 +181,27 @@ class LocalNetwork:
         """``argv`` run inside ``host``: its network namespace plus its own UTS namespace and host name."""
         return ["ip", "netns", "exec", host.netns, "unshare", "--uts", "--",
                 python, "-c", _SET_HOSTNAME, host.name, *argv]
+
+    def _spine(self) -> Spine:
+        if self.spine is None:
+            raise ValueError("expected a network with racks, found one bridge; create it with racks=R (--racks R)")
+        return self.spine
+
+    def spine_bytes(self) -> dict[int, tuple[int, int]]:
+        """Rack -> ``(tx, rx)``: the bytes its uplink sent to and received from the spine so far."""
+        return self._spine().bytes()
+
+    def set_spine_rate(self, rate: str) -> None:
+        """Shape every uplink to ``rate`` (a tc rate) from now on, while the job runs."""
+        Shaping(rate=rate)  # validates
+        self._spine().set_rate(rate, _run_tc)
+
+    def cut_spine(self) -> None:
+        """Set every uplink down: the racks lose each other (see [Note: racks and a spine])."""
+        self._spine().set_links(False, _run)
+
+    def restore_spine(self) -> None:
+        self._spine().set_links(True, _run)
 
     def kill_host(self, host: HostSpec) -> None:
         """SIGKILL every process in ``host``'s namespace: its launcher, agent and workers (torchrun
@@ -213,7 +257,7 @@ def remove_objects(tag: str) -> list[str]:
     found = list_own_objects(tag + "-")
     for ns in found["netns"]:
         _kill_namespace_pids(ns)
-    for link in sorted(found["links"], key=lambda n: n.endswith("-br")):  # ports before the bridge
+    for link in sorted(found["links"], key=lambda n: _BRIDGE_RE.search(n) is not None):  # ports before bridges
         done = _run(["ip", "link", "del", link], check=False)
         if done.returncode != 0 and "Cannot find" not in done.stderr:
             problems.append(f"link {link}: {done.stderr.strip()}")

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from hybridshard.runtime.faults import causes, peers
+from hybridshard.runtime.faults import causes, partition, peers
 from hybridshard.runtime.faults.peers import table
 from hybridshard.runtime.faults.rank_state import current
 from hybridshard.runtime.trace.position import current_where
@@ -89,7 +89,10 @@ def collective_failed(kind: str, group_label: str, group: dist.ProcessGroup | No
         cause = (f"rank {me}: {mine} failed ({where}), and the job's store could not be reached to learn "
                  f"why; the store lives in {host}.")
         kept = causes.kept()  # read before the store went: see [Note: keeping the causes]
-        if kept:
+        cut = partition.store_lost_text(me)  # see [Note: a partition, not lost ranks]
+        if cut is not None:
+            cause = f"{cut}; so {mine} failed on rank {me} ({where})."
+        elif kept:
             cause = (f"{next(iter(kept.values()))}; so {mine} failed on rank {me} ({where}) (kept by this rank: the "
                      f"job's store could not be reached after that; it lives in {host}).")
         return CollectiveError(f"{cause}\n{_RESTART}\nbackend: {first_line(err)}")
@@ -110,6 +113,9 @@ def _cause(me: int, mine: str, where: str, reports: list[peers.Report], seconds:
         return (f"{done[0].text} and left, while rank {me} was still training ({where}): the ranks ran "
                 f"different numbers of steps, and {mine} failed.")
     if lost:
+        cut = partition.lost_racks_text(me, lost)  # see [Note: a partition, not lost ranks]
+        if cut is not None:
+            return f"{cut}; so {mine} failed on rank {me} ({where})."
         names = ", ".join(map(str, lost)) if len(lost) <= 16 else f"{', '.join(map(str, lost[:16]))} and {len(lost) - 16} more"
         return (f"rank{'s' if len(lost) > 1 else ''} {names} "
                 f"{'were' if len(lost) > 1 else 'was'} lost (killed, crashed or hung: no answer within "
@@ -135,6 +141,10 @@ def peers_gone(kind: str, group_label: str, ranks: list[int], where: str, in_fli
         brief = seconds == peers.REPORT_SECONDS
         reports = peers.ask_everyone(mine, seconds=seconds, while_waiting=while_waiting, brief=brief)
         if reports is None:
+            cut = partition.store_lost_text(me)  # see [Note: a partition, not lost ranks]
+            if cut is not None:
+                return (f"{cut}; so {kind} on the {group_label} group (ranks {peers.ranks_text(ranks)}) cannot "
+                        f"complete on rank {me} ({where}).\n{_RESTART}")
             return _kept_cause(me, kind, group_label, ranks, where, in_flight)
         gone = [r for r in peers.having(reports, _GONE) if r.rank in group and r.rank != me]
         if not gone:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridshard.runtime.faults import causes, errors, peers
+from hybridshard.runtime.faults import causes, errors, partition, peers
 from hybridshard.runtime.faults.mismatch import MismatchWatch, mismatch_seconds
 from hybridshard.runtime.faults.rank_state import ControlPlane, bound, current
 from hybridshard.runtime.trace.position import Where, current_where, snapshot
@@ -204,12 +204,27 @@ def _loop(plane: ControlPlane) -> None:
 def _iteration(main: MismatchWatch) -> None:
     try:
         _beat()
+        partition.learn(_waited, _stop_partitioned)  # see [Note: a partition, not lost ranks]
         pending = _prune()
         causes.poll_if_waiting(main.poll(pending), pending)  # see [Note: keeping the causes]
         _report_if_stuck()
         _stop_if_peers_gone()
     except Exception:  # noqa: BLE001 - the watchdog must never take the job down
         logger.debug("watchdog iteration failed", exc_info=True)
+
+
+def _waited() -> float:
+    """Seconds the oldest collective in flight has been in flight; 0 when none is."""
+    pending = _prune()
+    return time.monotonic() - pending[0].started if pending else 0.0
+
+
+def _stop_partitioned(message: str) -> None:
+    """This rank's rack lost the store's rack (the store probe's verdict): say so and stop."""
+    message = f"{message}\n{errors.RESTART}"
+    logger.critical("%s", message)
+    errors.write_error_file(errors.CollectiveError(message), consequence=True)
+    errors.stop_now(1)
 
 
 def _report_if_stuck() -> None:
