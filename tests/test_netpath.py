@@ -17,7 +17,6 @@ from hybridshard.topology.netpath import (
     parse_path,
     racks,
     resolve_network_path,
-    slurm_path,
 )
 from hybridshard.topology.nvml_recorded import FakeNvml
 from hybridshard.topology.probe import probe_node

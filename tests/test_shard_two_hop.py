@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from tests import runtime_models as RM
 from tests.mp import RankPool

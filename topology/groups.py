@@ -279,11 +279,17 @@ def _build_racks(plan: GroupPlan, backend: str | None):
     if rack_plan is None:
         logger.debug("no replicate reduction in two hops: %s", why)
         return None
-    rack = _create(rack_plan.rack_groups, "rack", backend)
-    across = _create(rack_plan.across_groups, "across_racks", backend)
-    name_group(rack, "rack")
-    name_group(across, "across_racks")
+    rack, across = _named_groups({"rack": rack_plan.rack_groups, "across_racks": rack_plan.across_groups}, backend)
     return RackGroups.find(rack_plan, dist.get_rank(), rack, across)
+
+
+def _named_groups(lists: dict[str, Sequence[Sequence[int]]], backend: str | None) -> list[dist.ProcessGroup]:
+    """Create each kind's groups in turn; this rank's group of each kind, named after the kind."""
+    mine = []
+    for kind, rank_lists in lists.items():
+        mine.append(_create(rank_lists, kind, backend))
+        name_group(mine[-1], kind)
+    return mine
 
 
 def _build_shard_hops(plan: GroupPlan, backend: str | None):
@@ -292,10 +298,7 @@ def _build_shard_hops(plan: GroupPlan, backend: str | None):
     if hop_plan is None:
         logger.debug("no shard collectives in two hops: %s", why)
         return None
-    node = _create(hop_plan.node_groups, "shard_node", backend)
-    across = _create(hop_plan.across_groups, "shard_across", backend)
-    name_group(node, "shard_node")
-    name_group(across, "shard_across")
+    node, across = _named_groups({"shard_node": hop_plan.node_groups, "shard_across": hop_plan.across_groups}, backend)
     return hop_plan.groups_of(dist.get_rank(), node, across)
 
 

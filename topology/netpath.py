@@ -33,7 +33,7 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from hybridshard.topology.ranges import format_ranges
 from hybridshard.topology.records import ClusterNode, ClusterView

@@ -10,7 +10,6 @@ rows] in :mod:`hybridshard.bench.racks`).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -18,6 +17,7 @@ import sys
 from hybridshard.bench.config import BenchConfig
 from hybridshard.bench.job import worker_command
 from hybridshard.bench.progress import ProgressSink
+from hybridshard.bench.report import print_results
 from hybridshard.bench.racks import COUNTERS_ENV, RESULT_NAME, render_racks, run_racks_worker
 from hybridshard.bench.shard_nodes import RESULT_NAME as SHARD_RESULT, render_shard_nodes, run_shard_nodes_worker
 from hybridshard.launcher import local_cluster
@@ -102,11 +102,4 @@ def run_racks(args: argparse.Namespace, cfg: BenchConfig) -> int:
         sink.close()
         os.environ.clear()
         os.environ.update(saved)
-    if rc != 0 or not os.path.exists(result):
-        print(f"hybridshard bench: the job failed (exit status {rc}); its output is above", file=sys.stderr)
-        return rc or 1
-    with open(result) as f:
-        results = json.load(f)
-    print(json.dumps(results, indent=1) if args.json else render(results))
-    print(f"wrote {result}", file=sys.stderr)
-    return 0
+    return print_results(rc, result, render, as_json=args.json)

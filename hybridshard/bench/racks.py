@@ -29,8 +29,6 @@ import json
 import logging
 import os
 import time
-from typing import Any
-
 import torch
 import torch.distributed as dist
 

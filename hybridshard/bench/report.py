@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+
 from typing import Any
 
 __all__ = ["render_text", "group_bytes"]
@@ -109,3 +113,15 @@ def render_text(results: dict[str, Any]) -> str:
         "hybridshard's communication thread included), median over ranks.",
     ]
     return "\n".join(lines)
+
+
+def print_results(rc: int, path: str, render, *, as_json: bool, also: str | None = None) -> int:
+    """After a bench job: its results as a table (or JSON) and where they are, or why there are none."""
+    if rc != 0 or not os.path.exists(path):
+        print(f"hybridshard bench: the job failed (exit status {rc}); its output is above", file=sys.stderr)
+        return rc or 1
+    with open(path) as f:
+        results = json.load(f)
+    print(json.dumps(results, indent=1) if as_json else render(results))
+    print(f"wrote {path}" + (f" and {also}" if also else ""), file=sys.stderr)
+    return 0

@@ -15,7 +15,6 @@ and rank 0 writes the files and prints the table. Method: docs/performance.md, "
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -167,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_job(args: argparse.Namespace) -> int:
     from hybridshard.bench.job import JobSpec, run_job, worker_command
-    from hybridshard.bench.report import render_text
+    from hybridshard.bench.report import print_results, render_text
     from hybridshard.bench.worker import JSON_NAME, PNG_NAME
 
     out = os.path.abspath(args.out)
@@ -181,11 +180,4 @@ def _run_job(args: argparse.Namespace) -> int:
     except (ValueError, PermissionError) as exc:
         print(f"hybridshard bench: error: {exc}", file=sys.stderr)
         return 2
-    if rc != 0 or not os.path.exists(result_path):
-        print(f"hybridshard bench: the job failed (exit status {rc}); its output is above", file=sys.stderr)
-        return rc or 1
-    with open(result_path) as f:
-        results = json.load(f)
-    print(json.dumps(results, indent=1) if args.json else render_text(results))
-    print(f"wrote {result_path} and {os.path.join(out, PNG_NAME)}", file=sys.stderr)
-    return 0
+    return print_results(rc, result_path, render_text, as_json=args.json, also=os.path.join(out, PNG_NAME))

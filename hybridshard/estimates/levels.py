@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from hybridshard.estimates.sizing import DTYPE_BYTES, ClusterSpec, Estimate, ModelSpec
 from hybridshard.link_cost import LinkRates, choose_rack_reduce, link_loads, network_order, predict_time
