@@ -38,7 +38,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/hybridshard bench --out bench-results $(BENCH_ARGS)
 
 # The CUDA checks, in one command on a machine with a GPU: benchmarks/gpu_check.py's steps in priority
-# order, each under its own time budget (11 min 20 s in all); GPU_CHECK_STEPS=1,3 runs a subset. Without
+# order, each under its own time budget (11 min 30 s in all); GPU_CHECK_STEPS=1,3 runs a subset. Without
 # a GPU every step says it skipped and the target succeeds. The NVML answers are recorded even when
 # a step failed (the target then fails after recording them). Where $(PYTHON) already has a CUDA build of torch (a GPU node's
 # own environment, often without a package index), that torch is used and this package is installed

@@ -2,7 +2,7 @@
 
 A lent GPU machine has about 15 minutes of device time, start-up included, so the steps run in the
 order of what they are worth, each as its own processes under its own time budget (the budgets add
-up to 680 s, 11 min 20 s), and each of a step's commands prints one line of figures starting
+up to 690 s, 11 min 30 s), and each of a step's commands prints one line of figures starting
 ``step N (<name>):`` (steps 2 and 4 run two commands each: fp32 and bf16; one rank and two). The
 first steps give the most if time runs out:
 
@@ -12,6 +12,8 @@ first steps give the most if time runs out:
 4. peak memory of the 1- and 2-rank jobs against the planner, by phase (benchmarks/memory_trace.py)
 5. a stream-race check under ``TORCH_CUDA_SANITIZER=1`` (benchmarks/stream_race.py)
 6. the CUDA path's correctness tests (tests/test_cuda.py)
+7. one rank of a 256-GPU job with shard groups over 2 nodes, 405B-shaped units cut to the layers that
+   fit the GPU (benchmarks/big_rank_nodes.py)
 
 Each command's whole output is kept in ``build/gpu-check-logs/step<N>-<k>.log``. Without a CUDA
 device every step prints ``step N (<name>): skipped: <why>`` and the driver exits 0.
@@ -50,16 +52,17 @@ def _torchrun(nproc: int, script: str, *args: str) -> tuple[str, ...]:
 
 
 STEPS = (
-    Step(1, "host syncs on the device", 100, (("benchmarks/host_sync_check.py",),)),
-    Step(2, "one-GPU step vs FSDP2", 110, (("benchmarks/gpu_step.py",),
+    Step(1, "host syncs on the device", 90, (("benchmarks/host_sync_check.py",),)),
+    Step(2, "one-GPU step vs FSDP2", 100, (("benchmarks/gpu_step.py",),
                                            ("benchmarks/gpu_step.py", "--dtype", "bf16"))),
-    Step(3, "one rank of a 64-GPU job", 170, (("benchmarks/big_rank.py",),)),
-    Step(4, "peak memory vs planner by phase", 80, (_torchrun(1, "benchmarks/memory_trace.py", "--backend", "nccl"),
+    Step(3, "one rank of a 64-GPU job", 110, (("benchmarks/big_rank.py",),)),
+    Step(4, "peak memory vs planner by phase", 70, (_torchrun(1, "benchmarks/memory_trace.py", "--backend", "nccl"),
                                                     _torchrun(2, "benchmarks/memory_trace.py", "--backend", "gloo"))),
     Step(5, "stream races under the CUDA sanitizer", 80, (_torchrun(2, "benchmarks/stream_race.py"),),
          env=(("TORCH_CUDA_SANITIZER", "1"),)),
     Step(6, "CUDA path against the CPU reference", 140,
          (("-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"),)),
+    Step(7, "one rank of a 256-GPU job, shard groups over 2 nodes", 100, (("benchmarks/big_rank_nodes.py",),)),
 )
 TOTAL_BUDGET_S = sum(s.budget_s for s in STEPS)
 

@@ -31,12 +31,12 @@ def _run(argv: list[str], timeout: int = 120, **env: str) -> subprocess.Complete
 
 
 def test_steps_are_in_priority_order_within_twelve_minutes():
-    assert [s.number for s in gpu_check.STEPS] == [1, 2, 3, 4, 5, 6]
+    assert [s.number for s in gpu_check.STEPS] == [1, 2, 3, 4, 5, 6, 7]
     assert gpu_check.TOTAL_BUDGET_S <= 12 * 60 - 30  # leaves time for the NVML recording and start-up
     assert [s.number for s in gpu_check.selected("3, 1")] == [1, 3]
-    assert [s.number for s in gpu_check.selected("")] == [1, 2, 3, 4, 5, 6]
-    for bad in ("7", "1,x", ","):
-        with pytest.raises(ValueError, match=r"^GPU_CHECK_STEPS must be step numbers from \[1, 2, 3, 4, 5, 6\]"):
+    assert [s.number for s in gpu_check.selected("")] == [1, 2, 3, 4, 5, 6, 7]
+    for bad in ("8", "1,x", ","):
+        with pytest.raises(ValueError, match=r"^GPU_CHECK_STEPS must be step numbers from \[1, 2, 3, 4, 5, 6, 7\]"):
             gpu_check.selected(bad)
 
 
@@ -59,7 +59,7 @@ def test_gpu_check_steps_selects_and_refuses_unknown_steps():
 
 @no_gpu
 @pytest.mark.parametrize("script", ["host_sync_check.py", "gpu_step.py", "big_rank.py", "memory_trace.py",
-                                    "stream_race.py"])
+                                    "stream_race.py", "big_rank_nodes.py"])
 def test_each_step_script_skips_without_a_gpu(script):
     args = ["--backend", "gloo"] if script == "memory_trace.py" else []
     done = _run([f"benchmarks/{script}", *args])
@@ -86,6 +86,28 @@ def test_one_rank_of_a_64_rank_job_stand_in(tmp_path):
     assert got["sliced"]["planned_bytes"] < got["hybrid"]["planned_bytes"]
     assert got["sliced"]["peak_bytes"] < got["hybrid"]["peak_bytes"]
     assert got["fsdp2"]["step_ms"] > 0
+
+
+def test_one_rank_of_a_256_rank_job_with_shard_groups_over_two_nodes_stand_in(tmp_path):
+    """Step 7's script on CPU: 32 fake nodes of 8, shard groups of 2 nodes built by the planner with
+    their two hops; every setting measured against its own planner row, the secondary shard planned
+    only where asked and freed by the end of the step."""
+    out = tmp_path / "nodes.json"
+    done = _run(["benchmarks/big_rank_nodes.py", "--stand-in", "--steps", "1", "--warmup", "1", "--json", str(out)],
+                timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "figures: CPU stand-in rank 0 of 256 (32 nodes x 8, shard groups of 2 nodes: 16x16 fake groups)" in done.stdout, done.stdout
+    got = json.loads(out.read_text())
+    assert got["groups"] == {"shard_size": 16, "replicate_size": 16, "two_hops": True}, got["groups"]
+    assert got["store"] == {"found": False, "failed_calls": 0}, got["store"]
+    for name in ("two", "node", "sliced"):
+        r = got[name]
+        assert r["peak_bytes"] > 0 and r["ratio"] == r["peak_bytes"] / r["planned_bytes"] and r["step_ms"] > 0
+        assert r["secondary_held_after_step"] == 0, (name, r)
+    assert got["node"]["secondary_planned_bytes"] > 0 == got["two"]["secondary_planned_bytes"]
+    assert got["node"]["planned_bytes"] == got["two"]["planned_bytes"] + got["node"]["secondary_planned_bytes"]
+    assert got["sliced"]["planned_bytes"] < got["two"]["planned_bytes"]
+    assert got["sliced"]["peak_bytes"] < got["two"]["peak_bytes"]
 
 
 def test_stream_race_subset_runs_on_cpu():
