@@ -26,7 +26,9 @@ SWEEP += [RM.Config(strategy="HYBRID_SHARD", reshard_after_forward="node", **SGD
           RM.Config(strategy="HYBRID_SHARD", two_hop=True, micro_steps=3, reduce_scatter_micro=True, clip=1.0),
           RM.Config(strategy="HYBRID_SHARD_ZERO2", two_hop=True, checkpoint=True, micro_steps=2, **SGD),
           RM.Config(strategy="HYBRID_SHARD", reshard_after_forward="node", executor="emulate", **SGD),
-          RM.Config(strategy="HYBRID_SHARD", two_hop=True, executor="streams", prefetch=2, **SGD)]
+          RM.Config(strategy="HYBRID_SHARD", two_hop=True, executor="streams", prefetch=2, **SGD),
+          RM.Config(strategy="HYBRID_SHARD", reshard_after_forward="node", checkpoint="reentrant", **SGD),
+          RM.Config(strategy="HYBRID_SHARD", two_hop=True, checkpoint="reentrant", **SGD)]
 
 
 def _label(c: RM.Config) -> str:
@@ -62,7 +64,7 @@ def test_two_hops_equal_the_flat_collectives_and_use_the_hops(sweep):
     across-nodes groups, never on the whole shard group."""
     _, results, _ = sweep
     for index, cfg in enumerate(SWEEP):
-        if cfg.two_hop is not True or cfg.micro_steps > 1 or cfg.executor:
+        if cfg.two_hop is not True or cfg.micro_steps > 1 or cfg.executor or cfg.checkpoint:
             continue
         flat = SWEEP.index(dataclasses.replace(cfg, two_hop=False))
         for rank in range(WORLD):
@@ -77,11 +79,14 @@ def test_two_hops_equal_the_flat_collectives_and_use_the_hops(sweep):
 def test_the_secondary_shard_gathers_backward_inside_the_node(sweep):
     """reshard_after_forward="node": backward's gathers of the resharded units run inside the node only."""
     _, results, _ = sweep
-    node, two = SWEEP.index(SWEEP[4]), SWEEP.index(dataclasses.replace(SWEEP[0], two_hop=True))
-    for rank in range(WORLD):
-        with_node, without = results[rank][node]["counts"][-1], results[rank][two]["counts"][-1]
-        assert with_node[("all_gather", "shard_node")] == without[("all_gather", "shard_node")]
-        assert with_node[("all_gather", "shard_across")] < without[("all_gather", "shard_across")], (with_node, without)
+    pairs = [(4, SWEEP.index(dataclasses.replace(SWEEP[0], two_hop=True))), (len(SWEEP) - 2, len(SWEEP) - 1)]
+    for node, two in pairs:  # plain, and with reentrant checkpointing (its forward runs without grad)
+        for rank in range(WORLD):
+            with_node, without = results[rank][node]["counts"][-1], results[rank][two]["counts"][-1]
+            assert with_node[("all_gather", "shard_node")] == without[("all_gather", "shard_node")]
+            # every resharded unit (the two blocks) gathers inside the node alone in backward
+            assert without[("all_gather", "shard_across")] - with_node[("all_gather", "shard_across")] == 2, \
+                (_label(SWEEP[node]), with_node, without)
 
 
 def _memory_job() -> dict:

@@ -227,8 +227,10 @@ class Unit:
         if not self.engine.shard_two_hop or self.groups.shard_hops is None:
             return self.groups.shard
         keep = None
+        # Only for units freed after forward, in a forward a backward follows: with grad, or in training
+        # mode (reentrant checkpointing runs the forward without grad and recomputes it in backward).
         if (self.engine.keep_secondary and self.reshard_after_forward and not self.engine.is_root(self)
-                and not self.engine.in_backward and torch.is_grad_enabled()):  # only units freed after forward
+                and not self.engine.in_backward and (torch.is_grad_enabled() or self.module.training)):
             keep = self._keep_secondary
         return two_hop.ShardHops(self.groups.shard_hops, secondary=self.secondary, keep=keep)
 
