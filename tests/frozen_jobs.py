@@ -22,14 +22,16 @@ from tests.test_memory import StepBytes, _Recorder, _static_bytes
 # -- one measured step, counted as tests/test_memory.py counts ------------------------------------
 
 
-def measure(kind: str, strategy: str, *, prefetch: int = 1, split: float | None = 0.5, early: bool = True) -> dict:
+def measure(kind: str, strategy: str, *, prefetch: int = 1, split: float | None = 0.5, early: bool = True,
+            two_hop: bool | None = None) -> dict:
     """One rank: the peak live bytes of one step after a warm-up step, what the unsharded buffers
     peaked at, and what the gradient reductions moved. ``early=False`` turns the input hooks off
-    (frozen units then stay gathered until the end of backward, as before them)."""
+    (frozen units then stay gathered until the end of backward, as before them). ``two_hop``:
+    ``shard()``'s; the memory formulas are those of the flat collectives (``False``)."""
     rank = dist.get_rank()
     model, block = make(kind)
     hs.shard(model, strategy=strategy, groups=RM.groups(), wrap={block}, prefetch=prefetch, overlap_grads=False,
-             split_frozen=split)
+             split_frozen=split, two_hop=two_hop)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     watch = Unit.watch_inputs
     if not early:

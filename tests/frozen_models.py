@@ -163,6 +163,9 @@ class Run:
     steps: int = 3
     unfreeze: str | None = None
     """A frozen parameter to unfreeze after ``shard`` (before the optimizer is built)."""
+    two_hop: bool | None = False
+    """``shard(two_hop=...)``: flat unless asked; ``None`` (the default of ``shard``) runs FULL_SHARD and
+    SHARD_GRAD_OP in two hops on the test pools of 2 nodes x 2 ranks (see :func:`expected_counts`)."""
 
 
 def optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -177,7 +180,7 @@ def sharded_run(run: Run) -> dict[str, Any]:
     model.checkpoint, model.seen = run.checkpoint, []
     mp = hs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if run.bf16 else None
     hs.shard(model, strategy=run.strategy, groups=RM.groups(), wrap={block}, mixed_precision=mp, prefetch=run.prefetch,
-             overlap_grads=run.overlap, split_frozen=run.split)
+             overlap_grads=run.overlap, split_frozen=run.split, two_hop=run.two_hop)
     if run.unfreeze:
         model.get_parameter(run.unfreeze).requires_grad_(True)
     opt = optimizer(model)
@@ -253,7 +256,8 @@ def expected_counts(run: Run, units: list[tuple[str, str, bool]]) -> dict[tuple[
     """Collectives per step: a ZeRO-3 unit other than the root and its frozen part gathers twice per
     micro-batch, the others once (NO_SHARD never), and a block under reentrant checkpointing twice
     (its forward runs under ``no_grad``, which frees every unit); only units with trainable
-    parameters reduce."""
+    parameters reduce. FULL_SHARD and SHARD_GRAD_OP in two hops (``run.two_hop`` not ``False``): the
+    same calls on ``world_across``; compare with :func:`across_counts` of what was counted."""
     out: dict[tuple[str, str], int] = {}
 
     def add(key: tuple[str, str], n: int) -> None:
@@ -266,7 +270,7 @@ def expected_counts(run: Run, units: list[tuple[str, str, bool]]) -> dict[tuple[
             if trains:
                 add(("all_reduce", "world"), 1)
             continue
-        group = "shard" if s.is_hybrid else "world"
+        group = "shard" if s.is_hybrid else "world" if run.two_hop is False else "world_across"
         # Under reentrant checkpointing LoRANet runs its first block plainly (see _run_blocks).
         plain_first = run.kind == "lora" and name.startswith("blocks.0")
         reentrant = run.checkpoint == "reentrant" and not root and not plain_first
@@ -276,3 +280,19 @@ def expected_counts(run: Run, units: list[tuple[str, str, bool]]) -> dict[tuple[
             if s.is_hybrid:
                 add(("all_reduce", "replicate"), 1)
     return out
+
+
+def across_counts(counts: dict[tuple[str, str], int]) -> dict[tuple[str, str], int]:
+    """``counts`` without the calls of the hop inside the node (``world_node``): one gather or
+    reduce-scatter in two hops is one call across nodes and as many inside the node as the hop makes
+    ([Note: a shard group in two hops] in hybridshard/runtime/comm/two_hop.py)."""
+    return {key: n for key, n in counts.items() if key[1] != "world_node"}
+
+
+def check_counts(run: Run, got: dict[str, Any], label: str) -> None:
+    """A :func:`sharded_run`'s collectives per step are :func:`expected_counts`; in two hops, the hop
+    inside the node besides, and only then."""
+    assert [across_counts(c) for c in got["counts"]] == [expected_counts(run, got["units"])] * run.steps, (
+        label, got["counts"], got["units"])
+    hops = run.two_hop is not False and run.strategy in ("FULL_SHARD", "SHARD_GRAD_OP")
+    assert all(any(group == "world_node" for _, group in c) == hops for c in got["counts"]), (label, got["counts"])

@@ -155,7 +155,7 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
              reshard_after_forward=cfg.reshard_after_forward)
     opt = make_optimizer(cfg, model.parameters())
     scaler = hs.ShardedGradScaler("cpu", init_scale=2.0**10) if cfg.fp16 else None
-    losses, norms, counts, clip_counts = [], [], [], []
+    losses, norms, counts, calls, clip_counts = [], [], [], [], []
     grad_dtypes: set[str] = set()
     syncs = hs_syncs() if cfg.executor == "emulate" else None
     for step in range(cfg.steps):
@@ -173,7 +173,8 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
                     scaled = loss / cfg.micro_steps
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 step_loss += loss.detach().float() / cfg.micro_steps
-        counts.append(dict(c.calls))
+        calls.append(dict(c.calls))
+        counts.append(logical_counts(calls[-1], _hop_nodes(model)))
         grad_dtypes |= {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
         dist.all_reduce(step_loss)
         losses.append(step_loss.item() / world)
@@ -195,10 +196,32 @@ def sharded_run(cfg: Config) -> dict[str, Any]:
         "host_syncs": host,
         "state": hs.full_state_dict(model),
         "counts": counts,
+        "calls": calls,
         "clip_counts": clip_counts,
         "grad_dtypes": sorted(grad_dtypes),
         "unit_strategies": [u.strategy.name for u in model.hybridshard_runtime.units],
     }
+
+
+def _hop_nodes(model: torch.nn.Module) -> int:
+    """``k``: the nodes a unit's shard group in two hops spans (1 without hops)."""
+    hops = [u.groups.shard_hops for u in model.hybridshard_runtime.units if u.groups.shard_hops is not None]
+    return hops[0].racks if hops else 1
+
+
+def logical_counts(calls: dict[tuple[str, str], int], nodes: int = 1) -> dict[tuple[str, str], int]:
+    """``calls`` with the whole job's two hops (FULL_SHARD and SHARD_GRAD_OP on several nodes) counted
+    once under ``"world"``, as the flat collective they replace: a gather is ``nodes`` calls inside the
+    node (the hop across nodes is skipped with the secondary shard), a reduce-scatter ``nodes`` inside
+    and one across. The hops themselves are checked in tests/test_shard_two_hop.py."""
+    out = {key: n for key, n in calls.items() if key[1] not in ("world_node", "world_across")}
+    for kind in ("all_gather", "reduce_scatter"):
+        inside, across = calls.get((kind, "world_node"), 0), calls.get((kind, "world_across"), 0)
+        assert inside % max(nodes, 1) == 0 and across * nodes <= inside, (calls, nodes)
+        assert kind == "all_gather" or across * nodes == inside, (calls, nodes)
+        if inside:
+            out[(kind, "world")] = out.get((kind, "world"), 0) + inside // nodes
+    return out
 
 
 def hs_syncs() -> Any:

@@ -87,6 +87,8 @@ _BY_REASON = {
         diagnostics.bandwidth: topology.probe
         topology.cluster: topology.probe
         topology.groups: topology.probe
+        topology.job_nic: topology.probe
+        topology.world_hops: topology.probe
         """,
     _CLI + " (torch for --measure only)": "cli.topo: diagnostics.bandwidth",
     _CLI + " (torch.distributed for --cluster only)": "cli.topo: topology.groups",

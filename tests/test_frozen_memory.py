@@ -59,7 +59,9 @@ FROZEN_CASES = [(p, e) for p in (1, 0) for e in (True, False)]
 
 
 def frozen_cases() -> list[dict]:
-    return [FJ.measure("frozen", "FULL_SHARD", prefetch=p, early=e) for p, e in FROZEN_CASES]
+    """The flat cases (the formulas' collectives), then the first case in two hops (the default here)."""
+    flat = [FJ.measure("frozen", "FULL_SHARD", prefetch=p, early=e, two_hop=False) for p, e in FROZEN_CASES]
+    return flat + [FJ.measure("frozen", "FULL_SHARD", prefetch=FROZEN_CASES[0][0], early=True, two_hop=None)]
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +91,19 @@ def test_frozen_units_gather_at_most_what_the_step_needs(frozen_measured, index)
     _within_formula([row["peak"] / formula(row) for row in rows], str(FROZEN_CASES[index]))
 
 
+def test_frozen_units_are_freed_alike_in_two_hops(frozen_measured):
+    """FULL_SHARD's default on 2 nodes x 2 ranks, two hops: the same gathered bytes as flat; beyond
+    them at most one node-local secondary shard (``1/g`` of a block) per gather in flight."""
+    results, _ = frozen_measured
+    prefetch, g = FROZEN_CASES[0][0], 2
+    for rank, rows in enumerate(results):
+        flat, two = rows[0], rows[-1]
+        assert set(two["comm"]) == {"world_node", "world_across"} and set(flat["comm"]) == {"world"}, rank
+        assert two["gathered"] == flat["gathered"], (rank, two["gathered"], flat["gathered"])
+        block = two["units"][1][1]
+        assert flat["peak"] <= two["peak"] <= flat["peak"] + (prefetch + 1) * -(-block // g) * 4, (rank, two, flat)
+
+
 def prefix_case() -> dict:
     return FJ.measure("prefix", "SHARD_GRAD_OP")
 
@@ -103,12 +118,15 @@ def test_frozen_blocks_whose_outputs_need_no_gradient_are_freed_after_forward(po
         assert row["gathered"] == 4 * (root + 2 * block), (row["gathered"], root, block)
 
 
-PROBE_CASES = [(s, c, m) for s in [s.name for s in ShardingStrategy] for c, m in ((False, 1), (True, 1),
-                                                                                    ("reentrant", 1), (False, 2))]
+PROBE_CASES = [(s, c, m, False) for s in [s.name for s in ShardingStrategy]
+               for c, m in ((False, 1), (True, 1), ("reentrant", 1), (False, 2))]
+PROBE_CASES += [(s, c, 1, None) for s in ("FULL_SHARD", "SHARD_GRAD_OP") for c in (False, "reentrant")]  # two hops
+PROBE_RUNS = [FM.Run(kind="frozen", strategy=s, checkpoint=c, micro=m, steps=2, two_hop=t)
+              for s, c, m, t in PROBE_CASES]
 
 
 def probe_runs() -> list[dict]:
-    return FM.run_all([FM.Run(kind="frozen", strategy=s, checkpoint=c, micro=m, steps=2) for s, c, m in PROBE_CASES])
+    return FM.run_all(PROBE_RUNS)
 
 
 def test_frozen_blocks_are_free_when_backward_reaches_the_first_one(pool):
@@ -116,14 +134,13 @@ def test_frozen_blocks_are_free_when_backward_reaches_the_first_one(pool):
     backward has passed all the frozen blocks only the root is gathered; losses and parameters match
     the single-process reference."""
     results = pool.run(probe_runs)
-    for i, (strategy, checkpoint, micro) in enumerate(PROBE_CASES):
-        run = FM.Run(kind="frozen", strategy=strategy, checkpoint=checkpoint, micro=micro, steps=2)
+    for i, run in enumerate(PROBE_RUNS):
         ref = FM.reference_run(run, WORLD)
         for rank, per_rank in enumerate(results):
             got, label = per_rank[i], f"{PROBE_CASES[i]} rank {rank}"
-            assert len(got["seen"]) == 2 * micro and all(s == ["<root>"] for s in got["seen"]), (label, got["seen"])
+            assert len(got["seen"]) == 2 * run.micro and all(s == ["<root>"] for s in got["seen"]), (label, got["seen"])
             _compare(got, ref, label)
-            assert got["counts"] == [FM.expected_counts(run, got["units"])] * 2, label
+            FM.check_counts(run, got, label)
 
 
 def stays_gathered_without_input_hooks() -> list[list[str]]:
@@ -168,7 +185,7 @@ LORA_CASES = [(s, split) for s in ("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD") for
 
 
 def lora_cases() -> list[dict]:
-    return [FJ.measure("lora", s, split=split) for s, split in LORA_CASES]
+    return [FJ.measure("lora", s, split=split, two_hop=False) for s, split in LORA_CASES]  # flat: the formulas'
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +288,8 @@ LORA_RUNS += [FM.Run(strategy=s, micro=2, reduce_scatter=rs) for s in ("FULL_SHA
 LORA_RUNS += [FM.Run(strategy=s, prefetch=0, overlap=False) for s in ("FULL_SHARD", "HYBRID_SHARD")]
 LORA_RUNS += [FM.Run(strategy=s, unfreeze="blocks.1.fc1.base.weight") for s in ("FULL_SHARD", "HYBRID_SHARD_ZERO2")]
 LORA_RUNS += [FM.Run(strategy="HYBRID_SHARD", split=0.0, unfreeze="inp.weight")]
+LORA_RUNS += [FM.Run(strategy=s, two_hop=None, **kw) for s, kw in (("FULL_SHARD", {}), ("SHARD_GRAD_OP", {}),
+                                                                    ("FULL_SHARD", dict(micro=2, reduce_scatter=True)))]
 BF16_RUNS = [FM.Run(strategy=s, bf16=True, split=split)
              for s in ("FULL_SHARD", "HYBRID_SHARD") for split in (0.5, None)]
 
@@ -283,7 +302,8 @@ def lora_runs(pool):
 def _run_id(run: FM.Run) -> str:
     parts = [run.strategy, f"split{run.split}", {True: "ckpt", "reentrant": "ckpt_reentrant"}.get(run.checkpoint, "")]
     parts += [f"micro{run.micro}{'rs' if run.reduce_scatter else ''}" if run.micro > 1 else "",
-              "p0-sync" if not run.prefetch else "", f"unfreeze-{run.unfreeze}" if run.unfreeze else ""]
+              "p0-sync" if not run.prefetch else "", f"unfreeze-{run.unfreeze}" if run.unfreeze else "",
+              "" if run.two_hop is False else "two_hop"]
     return "-".join(p for p in parts if p)
 
 
@@ -298,7 +318,7 @@ def test_lora_parity_and_counts(lora_runs, index):
         _compare(got, ref, f"{_run_id(run)} rank {rank}")
         split = [n for n, *_ in got["units"] if n.endswith("[frozen]")]
         assert len(split) == (0 if run.split is None else FM.BLOCKS + 1), got["units"]
-        assert got["counts"] == [FM.expected_counts(run, got["units"])] * run.steps, (got["counts"], got["units"])
+        FM.check_counts(run, got, f"{_run_id(run)} rank {rank}")
         if run.unfreeze:
             owner = got["owner"][run.unfreeze]
             assert owner.endswith("[frozen]") and dict((n, t) for n, _, t in got["units"])[owner], got["units"]

@@ -189,7 +189,7 @@ def _groups_job() -> dict:
 
 
 def _hops_collectives_job(n: int) -> dict:
-    """The rack two-hop functions on ``shard_hops`` against the flat collectives over the shard group."""
+    """The shard group's two-hop gather and reduce-scatter against the flat collectives over it."""
     import torch.distributed as dist
 
     from hybridshard.runtime.comm import collectives as C
@@ -200,11 +200,11 @@ def _hops_collectives_job(n: int) -> dict:
     mine = torch.randn(n, generator=gen)
     flat, two = torch.empty(4 * n), torch.empty(4 * n)
     C.all_gather(flat, mine, groups.shard)
-    two_hop.all_gather(two, mine, groups.shard_hops)
+    two_hop.gather(two, mine, two_hop.ShardHops(groups.shard_hops))
     full = torch.randn(4 * n, generator=gen)
     flat_rs, two_rs = torch.empty(n), torch.empty(n)
     C.reduce_scatter(flat_rs, full.clone(), groups.shard)
-    two_hop.reduce_scatter(two_rs, full.clone(), groups.shard_hops)
+    two_hop.shard_reduce_scatter(two_rs, full.clone(), groups.shard_hops)
     return {"gather": (flat, two), "reduce_scatter": (flat_rs, two_rs)}
 
 

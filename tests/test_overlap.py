@@ -269,13 +269,14 @@ def test_gradient_reductions_run_while_backward_goes_on(pool):
 
 # -- comm_stats equals the per-step formulas -------------------------------------------------------
 
-def measure_comm_stats(strategy: str, bf16: bool, compression: str | None = None) -> dict:
+def measure_comm_stats(strategy: str, bf16: bool, compression: str | None = None,
+                       two_hop: bool | None = False) -> dict:
     import hybridshard as hs
 
     model = RM.make_model(num_blocks=3)
     mp = hs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     hs.shard(model, strategy=strategy, groups=RM.groups(), wrap={RM.Block}, mixed_precision=mp,
-             replicate_compression=compression)
+             replicate_compression=compression, two_hop=two_hop)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(4):
         if step == 1:
@@ -288,30 +289,44 @@ def measure_comm_stats(strategy: str, bf16: bool, compression: str | None = None
     return {"stats": hs.comm_stats(model), "padded": [u.flat.layout.padded_numel for u in units]}
 
 
-def expected_ring_bytes(strategy: str, padded: list[int], b_param: int, b_grad: int) -> dict[str, float]:
-    """Per step and rank, per group: docs/performance.md, "What a step sends"."""
+def expected_ring_bytes(strategy: str, padded: list[int], b_param: int, b_grad: int,
+                        two_hop: bool = False) -> dict[str, float]:
+    """Per step and rank, per group: docs/performance.md, "What a step sends". ``two_hop``: FULL_SHARD
+    and SHARD_GRAD_OP over 2 nodes x 2 ranks in two hops, ``(g-1)/g`` of each buffer inside the node
+    and ``(k-1)/k`` of a node's ``1/g`` share across (together the flat ``(W-1)/W``)."""
     s = ShardingStrategy[strategy]
     root, blocks = padded[0], sum(padded[1:])
     total = root + blocks
     gathered = 2 * blocks + root if s.reshard_after_forward else total  # the root stays gathered into backward
     if s is ShardingStrategy.NO_SHARD:
         return {"world": 2 * (WORLD - 1) / WORLD * total * b_grad}
+    moved = gathered * b_param + total * b_grad
+    if two_hop and not s.is_hybrid:
+        g = k = 2
+        return {"world_node": (g - 1) / g * moved, "world_across": (k - 1) / k * moved / g}
     n = 2 if s.is_hybrid else WORLD
-    out = {"shard" if s.is_hybrid else "world": (n - 1) / n * (gathered * b_param + total * b_grad)}
+    out = {"shard" if s.is_hybrid else "world": (n - 1) / n * moved}
     if s.is_hybrid:
         r = WORLD // n
         out["replicate"] = 2 * (r - 1) / r * total / n * b_grad
     return out
 
 
+WHOLE_JOB = ["FULL_SHARD", "SHARD_GRAD_OP"]
+FORMULA_CASES = [(s, False) for s in STRATEGIES] + [(s, None) for s in WHOLE_JOB]
+"""(strategy, two_hop): the flat collectives of docs/performance.md, and FULL_SHARD and SHARD_GRAD_OP
+as they run by default on this pool of 2 nodes x 2 ranks (two hops over ``world_node``/``world_across``)."""
+
+
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_comm_stats_per_step_equal_the_formulas(pool, strategy, bf16):
-    results = pool.run(measure_comm_stats, strategy, bf16)
+@pytest.mark.parametrize("strategy,two_hop", FORMULA_CASES,
+                         ids=[f"{s}-{'flat' if t is False else 'default'}" for s, t in FORMULA_CASES])
+def test_comm_stats_per_step_equal_the_formulas(pool, strategy, two_hop, bf16):
+    results = pool.run(measure_comm_stats, strategy, bf16, two_hop=two_hop)
     for rank, got in enumerate(results):
         stats = got["stats"]
         assert stats["steps"] == 3
-        expected = expected_ring_bytes(strategy, got["padded"], 2 if bf16 else 4, 4)
+        expected = expected_ring_bytes(strategy, got["padded"], 2 if bf16 else 4, 4, two_hop=two_hop is not False)
         measured = {group: ops["total"]["ring_bytes"] / 3 for group, ops in stats["groups"].items()}
         assert set(measured) == set(expected), (measured, expected)
         for group, value in expected.items():

@@ -69,7 +69,10 @@ def one_step(strategy: str, model_name: str, bf16: bool) -> dict:
     torch.manual_seed(0)
     model, wrap = (RM.make_model(), {RM.Block}) if model_name == "gpt" else (OddNet(), {OddBlock})
     mp = hs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    hs.shard(model, strategy=strategy, groups=RM.groups(), wrap=wrap, mixed_precision=mp)
+    # step_collectives and estimate() count FULL_SHARD and SHARD_GRAD_OP as flat rings over the world;
+    # on these 2 nodes x 2 ranks they run in two hops unless told not to (their per-hop bytes:
+    # tests/test_overlap.py::test_comm_stats_per_step_equal_the_formulas).
+    hs.shard(model, strategy=strategy, groups=RM.groups(), wrap=wrap, mixed_precision=mp, two_hop=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if model_name == "gpt":
         tokens = RM.batch(0, 0, rank, 2)

@@ -292,13 +292,14 @@ def _named_groups(lists: dict[str, Sequence[Sequence[int]]], backend: str | None
     return mine
 
 
-def _build_shard_hops(plan: GroupPlan, backend: str | None):
-    """The shard group's two hops (see [Note: two hops over nodes] in shard_hops.py), or ``None``."""
+def _build_shard_hops(plan: GroupPlan, backend: str | None, names: tuple[str, str] = ("shard_node", "shard_across")):
+    """The shard group's two hops (see [Note: two hops over nodes] in shard_hops.py), or ``None``;
+    ``names``: of the groups inside the node and across nodes."""
     hop_plan, why = plan_shard_hops(plan)
     if hop_plan is None:
         logger.debug("no shard collectives in two hops: %s", why)
         return None
-    node, across = _named_groups({"shard_node": hop_plan.node_groups, "shard_across": hop_plan.across_groups}, backend)
+    node, across = _named_groups(dict(zip(names, (hop_plan.node_groups, hop_plan.across_groups))), backend)
     return hop_plan.groups_of(dist.get_rank(), node, across)
 
 

@@ -31,7 +31,7 @@ from hybridshard.runtime.comm import collectives as C
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ShardHops", "all_gather", "all_reduce", "gather", "reduce_scatter"]
+__all__ = ["ShardHops", "all_gather", "all_reduce", "gather", "reduce_scatter", "shard_reduce_scatter"]
 
 
 def _padded(tensor: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -102,14 +102,14 @@ def all_gather(shard: torch.Tensor, mine: torch.Tensor, racks: Any, *,
 # A shard group of k nodes with g ranks on each (``hops``: ``rack`` = this rank's node, g members in
 # position order; ``across`` = the k members at its position, in node order) is node-major: member
 # (node j, position p) is shard rank ``j * g + p`` and holds block ``j * g + p`` of the flat buffer, so
-# a flat ring over the group leaves each node once. The hops are the replicate reduction's, nodes for
-# racks: gathering across nodes gives this rank blocks ``j' * g + p`` (``j' = 0 .. k-1``, ``k * n``
-# values: the *node-local secondary shard*, 1/g of the unit), gathering those inside the node gives
-# them in ``(p', j')`` order, and one transposing copy puts the buffer in its usual order (after the
-# last hop's wait, so a prefetch stays in flight). The reduce-scatter transposes first ([Note: slices
-# in two hops]). Out of every node go ``(k - 1) / k`` of the buffer, not the flat ring's ``(S - 1) / S``;
-# the price is one copy of the buffer each way.
-
+# a flat ring over the group leaves each node once. Gathering across nodes gives this rank blocks
+# ``j' * g + p`` (``j' = 0 .. k-1``, ``k * n`` values: the *node-local secondary shard*, 1/g of the
+# unit). Node ``j'``'s blocks ``j' * g .. j' * g + g - 1`` are one contiguous row of the buffer, so the
+# hop inside the node is ``k`` all-gathers, row ``j'`` from every member's block ``j'``, straight into
+# the buffer: no whole-unit temporary and no re-layout copy. The reduce-scatter runs the other way:
+# ``k`` reduce-scatters of the rows inside the node (this rank keeps the node's sum of blocks
+# ``j' * g + p``), then one across nodes. Out of every node go ``(k - 1) / k`` of the buffer, not the
+# flat ring's ``(S - 1) / S``; the price is ``k`` calls inside the node instead of one.
 
 class ShardHops:
     """A multi-node shard group's hops for one gather; see [Note: a shard group in two hops].
@@ -123,22 +123,22 @@ class ShardHops:
         self.hops, self.secondary, self.keep = hops, secondary, keep
 
 
-class _ThenCopy:
-    """A collective in flight whose result is copied into place once it is waited for."""
+class _AllOf:
+    """Several collectives in flight, waited for in issue order; completed once :meth:`wait` ran."""
 
-    __slots__ = ("_pending", "_copy")
+    __slots__ = ("_pending",)
 
-    def __init__(self, pending: C.Pending, copy: Any) -> None:
-        self._pending, self._copy = pending, copy
+    def __init__(self, pending: list[Any]) -> None:
+        self._pending = [p for p in pending if p is not None]
 
     def is_completed(self) -> bool:
-        return self._copy is None
+        # Only once waited: each collective's wait ends its watchdog entry and its timing.
+        return not self._pending
 
     def wait(self) -> None:
-        self._pending.wait()
-        copy, self._copy = self._copy, None
-        if copy is not None:
-            copy()
+        pending, self._pending = self._pending, []
+        for p in pending:
+            p.wait()
 
 
 def gather(output: torch.Tensor, shard: torch.Tensor, group: Any, *, stats: C.CollectiveCounts | None = None,
@@ -153,15 +153,23 @@ def gather(output: torch.Tensor, shard: torch.Tensor, group: Any, *, stats: C.Co
         C.all_gather(column, shard, hops.across, stats=stats)
         if group.keep is not None:
             group.keep(column)
-    gathered = torch.empty(g * k * n, dtype=shard.dtype, device=shard.device)  # blocks (p', j')
-
-    def relayout() -> None:
-        with torch.no_grad():
-            output.view(k, g, n).copy_(gathered.view(g, k, n).transpose(0, 1))
-
-    pending = C.all_gather(gathered, column, hops.rack, stats=stats, async_op=True)
-    done = _ThenCopy(pending, relayout)
+    rows, blocks = output.view(k, g * n), column.view(k, n)
+    done = _AllOf([C.all_gather(rows[j], blocks[j], hops.rack, stats=stats, async_op=True) for j in range(k)])
     if async_op:
         return done
     done.wait()
     return None
+
+
+def shard_reduce_scatter(out: torch.Tensor, full: torch.Tensor, hops: Any, *,
+                         stats: C.CollectiveCounts | None = None, async_op: bool = False) -> C.Pending | None:
+    """This rank's block of the sum of ``full`` over a node-major shard group, into ``out``: inside
+    the node row by row, then across nodes; see [Note: a shard group in two hops]. ``full`` is
+    consumed (its values may be overwritten)."""
+    k, g, n = hops.racks, hops.per_rack, out.numel()
+    assert full.numel() == k * g * n, (full.numel(), k, g, n)
+    rows, chunk = full.view(k, g * n), torch.empty(k * n, dtype=full.dtype, device=full.device)
+    blocks = chunk.view(k, n)
+    for j in range(k):
+        C.reduce_scatter(blocks[j], rows[j], hops.rack, stats=stats, consume=True)
+    return C.reduce_scatter(out, chunk, hops.across, stats=stats, async_op=async_op, consume=True)

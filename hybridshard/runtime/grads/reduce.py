@@ -144,7 +144,7 @@ class GradReduction:
                     divide_(grad, pre)
                 # consume: the gradient is this reduction's own, read by nothing after it
                 if engine.shard_two_hop and groups.shard_hops is not None:  # [Note: a shard group in two hops]
-                    return two_hop.reduce_scatter(shard, grad, groups.shard_hops, stats=stats, async_op=overlap)
+                    return two_hop.shard_reduce_scatter(shard, grad, groups.shard_hops, stats=stats, async_op=overlap)
                 return C.reduce_scatter(shard, grad, groups.shard, stats=stats, async_op=overlap, consume=True)
         else:
             start, end = layout.shard_range()

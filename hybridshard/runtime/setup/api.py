@@ -27,6 +27,7 @@ from hybridshard.runtime.units.offload import CPUOffload, parse_offload
 from hybridshard.runtime.units.strategy import MixedPrecision, ShardingStrategy
 from hybridshard.runtime.units.wrap import WrapPolicy, choose_units, split_frozen as split_frozen_parts
 from hybridshard.topology.groups import ShardGroups, init_groups, name_group
+from hybridshard.topology.world_hops import world_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -66,7 +67,8 @@ def shard(
         strategy: of the root unit and of every unit the ``wrap`` policy gives no strategy of its
             own (per-unit strategies: :mod:`hybridshard.runtime.units.wrap`).
         groups: a :class:`hybridshard.ShardGroups` for the hybrid units; ``None``: :func:`hybridshard.init_groups`
-            when any unit is hybrid. Other strategies always shard or replicate over the whole job.
+            when any unit is hybrid. Other strategies always shard or replicate over the whole job
+            (FULL_SHARD and SHARD_GRAD_OP in two hops on several nodes; its cluster view spares a gather).
         mesh: instead of ``groups``, a ``DeviceMesh``: 2-D ``("replicate", "shard")`` as FSDP2
             takes it, or 1-D to shard over ([Note: meshes in] in :mod:`hybridshard.topology.groups`).
         wrap: which modules become units (a set of classes, ``{class: strategy}`` or a callable).
@@ -128,7 +130,7 @@ def shard(
     specs = split_frozen_parts(choose_units(model, wrap), split_frozen)
     strategies = [spec.strategy or strategy for spec in specs]
     _check_optimizer_slicing(shard_optimizer_across_replicas, strategy, strategies, offload)
-    by_strategy, groups = _resolve_groups(strategies, groups, mesh)
+    by_strategy, groups = _resolve_groups(strategies, groups, mesh, two_hop=comm.two_hop)
     device = _resolve_device(device, groups)
     executor_kind = resolve_executor(None if executor is None else executor.value, device)
     offload_policy = parse_offload(offload)
@@ -189,7 +191,8 @@ def shard(
             [u.flat.layout.shard_numel * u.reduce_dtype.itemsize for u in hybrid], device)
     elif comm.rack_reduce:
         resolve_rack_reduce(True, None, [], device)  # raises: no hybrid unit, no replicate reduction
-    engine.shard_two_hop, engine.keep_secondary = resolve_shard_hops(comm, hybrid[0].groups if hybrid else None)
+    engine.shard_two_hop, engine.keep_secondary = resolve_shard_hops(
+        comm, distinct(u.groups for u in units if u.groups.shard_size > 1))
     if any(u.replica_slice is not None for u in units):
         engine.replica_slices = SliceSync(units)
     engine.guard_conversions()
@@ -238,12 +241,14 @@ def _check_low_precision_grads(mp: MixedPrecision | None, tensor_type: type) -> 
 
 
 def _resolve_groups(
-    strategies: Sequence[ShardingStrategy], groups: ShardGroups | None, mesh: DeviceMesh | None = None
+    strategies: Sequence[ShardingStrategy], groups: ShardGroups | None, mesh: DeviceMesh | None = None,
+    *, two_hop: bool | None = None,
 ) -> tuple[dict[ShardingStrategy, ShardGroups], ShardGroups | None]:
     """The :class:`ShardGroups` of each strategy; strategies that communicate alike share one object.
 
     Hybrid strategies use ``groups`` (or ``mesh``; :func:`init_groups` when neither is given); the
-    others always use the whole job (see :func:`hybridshard.shard`).
+    others always use the whole job (see :func:`hybridshard.shard`), FULL_SHARD and SHARD_GRAD_OP in
+    two hops when it spans nodes ([Note: the whole job in two hops] in :mod:`hybridshard.topology.world_hops`).
     """
     world = dist.get_world_size()
     by_strategy: dict[ShardingStrategy, ShardGroups] = {}
@@ -271,7 +276,12 @@ def _resolve_groups(
     if hybrid is not None:
         by_strategy[ShardingStrategy.HYBRID_SHARD] = by_strategy[ShardingStrategy.HYBRID_SHARD_ZERO2] = hybrid
     by_strategy[ShardingStrategy.NO_SHARD] = ShardGroups.over_world(replicate=True)
-    by_strategy[ShardingStrategy.FULL_SHARD] = by_strategy[ShardingStrategy.SHARD_GRAD_OP] = ShardGroups.over_world()
+    if any(s in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) for s in strategies):
+        known = hybrid if hybrid is not None else groups
+        whole = world_groups(two_hop=two_hop, cluster=getattr(known, "cluster", None))
+    else:  # no unit shards over the world: nothing to learn about its nodes
+        whole = ShardGroups.over_world()
+    by_strategy[ShardingStrategy.FULL_SHARD] = by_strategy[ShardingStrategy.SHARD_GRAD_OP] = whole
     return by_strategy, hybrid if hybrid is not None else groups
 
 

@@ -112,20 +112,22 @@ def resolve_rack_reduce(choice: bool | None, groups: Any, shard_bytes: Sequence[
     return two_hops
 
 
-def resolve_shard_hops(comm: Any, groups: Any) -> tuple[bool, bool]:
-    """``(two hops, keep the secondary shard)`` for hybrid units over ``groups``' shard group, from
+def resolve_shard_hops(comm: Any, sharded: Sequence[Any]) -> tuple[bool, bool]:
+    """``(two hops, keep the secondary shard)`` for the units over ``sharded`` (the distinct groups of
+    every unit whose shard group has more than one rank, hybrid or the whole job's), from
     ``comm.two_hop`` and ``comm.reshard_after_forward``; see [Note: a shard group in two hops] in
-    :mod:`hybridshard.runtime.comm.two_hop`."""
-    hops = getattr(groups, "shard_hops", None) if groups is not None else None
-    if hops is None and (comm.two_hop or comm.reshard_after_forward == "node"):
+    :mod:`hybridshard.runtime.comm.two_hop`. Units whose groups have no hops stay flat either way."""
+    with_hops = [g for g in sharded if getattr(g, "shard_hops", None) is not None]
+    if not with_hops and (comm.two_hop or comm.reshard_after_forward == "node"):
         asked = "two_hop=True" if comm.two_hop else "reshard_after_forward='node'"
-        size = groups.shard_size if groups is not None else 1
+        found = ", ".join(f"{g.shard_size} ranks" for g in sharded) or "none"
         raise ValueError(
-            f"CommConfig({asked}) expects hybrid units whose shard group spans several nodes with more than one "
-            f"rank on each, found {'no hybrid unit' if groups is None else f'a shard group of {size} ranks without two hops'}; "
-            "ask init_groups(shard_size=...) for a multiple of the ranks per node, or drop the option"
+            f"CommConfig({asked}) expects a shard group that spans several nodes with more than one rank on each, "
+            f"found shard groups without two hops ({found}); ask init_groups(shard_size=...) for a multiple of "
+            "the ranks per node for hybrid units, run FULL_SHARD or SHARD_GRAD_OP on nodes of the same size, "
+            "or drop the option"
         )
-    two = hops is not None and comm.two_hop is not False
+    two = bool(with_hops) and comm.two_hop is not False
     keep = comm.reshard_after_forward == "node"
     if keep and not two:
         raise ValueError(
