@@ -102,7 +102,7 @@ def planned_peak(row: NodeSetting, foreach: bool) -> int:
     """``row.peak``; with ``foreach=False`` (torch's AdamW on CPU) without the step's temporary."""
     m = row.memory
     temp = m.step_temp if foreach else 0
-    return m.params + m.grads + m.optimizer + max(m.gathered + row.secondary_bytes, temp)
+    return m.params + m.grads + m.optimizer + max(m.gathered + row.secondary_bytes + row.hop_bytes, m.root_backward, temp)
 
 
 def layers_that_fit(s: Shape, k: int, names: list[str], dtypes: tuple[str, str], device_bytes: int) -> int:

@@ -237,6 +237,30 @@ def test_live_bytes_count_storage_resizes():
     assert torch.UntypedStorage.resize_.__qualname__ != "counting_resizes.<locals>.resize_"
 
 
+def test_live_bytes_follow_a_storage_that_outlives_its_tensors():
+    """A flat parameter's first gather allocates with an op and hands the storage over with ``.data =``
+    (no op sees that), then frees and regrows it with resizes: it must count as alive until it is
+    freed, once, and ``alive_at_peak`` must list it. Found when the 405B-shaped rank's peak was short
+    of its root's gathered buffer."""
+    import torch
+
+    from hybridshard.bench.live_bytes import LiveTensorBytes
+
+    holder = torch.empty(0)
+    with LiveTensorBytes() as live, live.counting_resizes():
+        holder.data = torch.empty(1000)  # 4000 bytes; the op's own tensor dies here
+        holder.untyped_storage().resize_(0)  # freed
+        holder.untyped_storage().resize_(4000)  # and regrown
+        other = torch.ones(100)  # 400 bytes beside it: the peak
+        del other
+        holder.untyped_storage().resize_(0)
+        grown = torch.empty(0)
+        grown.resize_(50)  # a tensor's resize_ grows its storage too: 200 bytes
+    assert live.peak() == 4400, live.events
+    assert live.live() == 200
+    assert sorted(n for _, n in live.alive_at_peak().values()) == [400, 4000]
+
+
 def test_compile_flag_adds_compiled_variants_and_the_compile_table():
     """``--compile``: each variant eager and compiled, FSDP2 compiled, and the compile reported apart."""
     import argparse

@@ -79,6 +79,21 @@ def test_memory_terms():
     assert replicated.optimizer == 1000 * 4 and replicated.total == 4000 * 3 + 800
 
 
+def test_a_large_root_peaks_in_its_own_backward():
+    """ZeRO-3 with a root (embedding and head) of 600 of 1000 parameters: at the end of backward the
+    root's gathered parameters (bf16), its concatenated gradient and that gradient's fp32 copy (the
+    parameters' own gradients are freed by then; without a cast, those and the concatenation), and
+    the last unit's fp32 gradient in flight outweigh two gathered units; the total takes that peak.
+    Found on the 405B-shaped rank, whose untied 128k-vocabulary root is larger than a layer."""
+    big_root = ModelSpec(num_params=1000, unit_params=100, root_params=600, optimizer=Optimizer.SGD)
+    m = memory(S.HYBRID_SHARD, 4, model=big_root)
+    assert m.root_backward == 600 * 2 + 600 * 2 + 600 * 4 + 100 * 4
+    same = ModelSpec(num_params=1000, unit_params=100, root_params=600, param_dtype="fp32", reduce_dtype="fp32")
+    assert memory(S.HYBRID_SHARD, 4, model=same).root_backward == 600 * 4 * 3 + 100 * 4
+    assert m.root_backward > m.gathered and m.total == m.params + m.grads + m.optimizer + m.root_backward
+    assert memory(S.HYBRID_SHARD, 4, model=MODEL).root_backward <= memory(S.HYBRID_SHARD, 4, model=MODEL).gathered
+
+
 def test_adamw_step_temporary_is_the_peak_when_backward_needs_less():
     """Found on an H100: every strategy's one-rank peak was the foreach AdamW step's square root of
     the second moment, one temporary the size of the master shard, which the total left out."""

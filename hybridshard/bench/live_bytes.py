@@ -37,9 +37,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
-def _key(t: torch.Tensor) -> tuple[str, int]:
-    storage = t.untyped_storage()
-    return str(storage.device), storage.data_ptr()
+def _key(t: torch.Tensor) -> int:
+    """The storage's identity: its C++ object, which a ``resize_`` keeps (its data pointer moves)."""
+    return t.untyped_storage()._cdata
 
 
 def _has_storage(t: torch.Tensor) -> bool:
@@ -54,25 +54,33 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self._ids: dict[tuple[str, int], int] = {}  # live storage -> its id
+        self._ids: dict[int, int] = {}  # live storage -> its id
         self._refs: dict[int, int] = {}  # id -> live tensors referring to it
-        self.sizes: dict[int, int] = {}  # id -> bytes
-        self.events: list[tuple[int, int]] = []  # (id, +bytes at allocation | -bytes at release), in order
+        self._resized: dict[int, int] = {}  # a storage first seen in a resize -> its id
+        self._released: dict[int, int] = {}  # a storage whose counted tensors all died -> its id
+        self.sizes: dict[int, int] = {}  # id -> bytes counted now (its allocation, then its resizes)
+        self.events: list[tuple[int, int]] = []  # (id, +bytes allocated or grown | -bytes released or shrunk), in order
         self.labels: dict[int, str] = {}  # id -> the op that allocated it, or record()'s label
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - the mode protocol
         kwargs = kwargs or {}
+        if func is torch.ops.aten.resize_.default:  # a tensor's resize_ grows its storage in place
+            storage = args[0].untyped_storage()
+            before = storage.nbytes()
+            out = func(*args, **kwargs)
+            self._resize(storage, storage.nbytes() - before)
+            return out
         out = func(*args, **kwargs)
         leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and _has_storage(t)]
         inputs = {_key(t) for t in leaves}
         for t in tree_leaves(out):
             if any(t is a for a in leaves):
                 continue  # an in-place result is its input: no new reference (see the note)
-            if isinstance(t, torch.Tensor) and _has_storage(t) and t.untyped_storage().nbytes():
+            if isinstance(t, torch.Tensor) and _has_storage(t) and t.device.type != "meta" and t.untyped_storage().nbytes():
                 self._track(t, inputs, str(func))
         return out
 
-    def _track(self, t: torch.Tensor, inputs: set[tuple[str, int]], label: str = "") -> None:
+    def _track(self, t: torch.Tensor, inputs: set[int], label: str = "") -> None:
         key = _key(t)
         sid = self._ids.get(key)
         if sid is None:
@@ -80,6 +88,7 @@ class LiveTensorBytes(TorchDispatchMode):
                 return  # a view of, or a write into, a storage from before the mode
             sid = len(self.sizes)
             self._ids[key] = sid
+            self._released.pop(key, None)
             self.sizes[sid] = t.untyped_storage().nbytes()
             self._refs[sid] = 0
             self.labels[sid] = label
@@ -87,12 +96,13 @@ class LiveTensorBytes(TorchDispatchMode):
         self._refs[sid] += 1
         weakref.finalize(t, self._release, sid, key)
 
-    def _release(self, sid: int, key: tuple[str, int]) -> None:
+    def _release(self, sid: int, key: int) -> None:
         self._refs[sid] -= 1
         if self._refs[sid] == 0:
             self.events.append((sid, -self.sizes[sid]))
             if self._ids.get(key) == sid:
                 del self._ids[key]
+                self._released[key] = sid
 
     def record(self, label: str, nbytes: int) -> int:
         """Enter an allocation of ``nbytes`` that no op made (e.g. a ``resize_``); its id, for :meth:`release`."""
@@ -111,19 +121,16 @@ class LiveTensorBytes(TorchDispatchMode):
         """Inside the block, every ``UntypedStorage.resize_`` (on any thread) enters its change in size.
 
         Flat-parameter runtimes (hybridshard, FSDP1, FSDP2) free and regrow their unsharded buffers
-        this way, which no op reports. A storage's growth and its later shrink are two signed events.
+        this way, which no op reports. A change is entered under the storage's own id (a storage from
+        before the mode gets one at its first resize), so a storage an op allocated, freed with
+        ``resize_(0)`` and then dropped is not released twice, and ``alive_at_peak`` sees what it holds.
         """
         original = torch.UntypedStorage.resize_
 
         def resize_(storage, size):  # noqa: ANN001 - the method's own signature
             before = storage.nbytes()
             out = original(storage, size)
-            change = storage.nbytes() - before
-            if change:
-                sid = len(self.sizes)
-                self.sizes[sid] = change
-                self.labels[sid] = "UntypedStorage.resize_"
-                self.events.append((sid, change))
+            self._resize(storage, storage.nbytes() - before)
             return out
 
         torch.UntypedStorage.resize_ = resize_
@@ -131,6 +138,24 @@ class LiveTensorBytes(TorchDispatchMode):
             yield self
         finally:
             torch.UntypedStorage.resize_ = original
+
+    def _resize(self, storage: torch.UntypedStorage, change: int) -> None:
+        """Enter ``storage``'s change in size under its own id (see :meth:`counting_resizes`)."""
+        if not change or storage.device.type == "meta":
+            return
+        key = storage._cdata
+        sid = self._ids.get(key, self._resized.get(key))
+        if sid is None and key in self._released:
+            # [Note: a storage outliving its tensors] It was alive after all (held by a tensor whose
+            # ``.data`` it became, which no op reports): counted again from here, under its id.
+            sid = self._resized[key] = self._released.pop(key)
+            self.events.append((sid, self.sizes[sid]))
+        if sid is None:
+            sid = self._resized[key] = len(self.sizes)
+            self.sizes[sid] = 0
+            self.labels[sid] = "resize_"
+        self.sizes[sid] += change
+        self.events.append((sid, change))
 
     def storages_of(self, tensors: Iterable[Any]) -> set[int]:
         """Ids of the counted storages under ``tensors`` (e.g. a function's outputs)."""
@@ -155,10 +180,9 @@ class LiveTensorBytes(TorchDispatchMode):
             if sid in exclude:
                 continue
             live += change
-            if change > 0:
-                alive[sid] = change
-            else:
-                alive.pop(sid, None)
+            alive[sid] = alive.get(sid, 0) + change
+            if alive[sid] == 0:
+                del alive[sid]
             if live > peak:
                 peak, best = live, dict(alive)
         return {sid: (self.labels.get(sid, ""), n) for sid, n in best.items()}

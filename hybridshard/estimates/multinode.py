@@ -16,9 +16,9 @@ rack, so only replicate rings cross the spine, each entering and leaving a rack 
 
 [Note: the secondary shard's memory]
 With the secondary shard every ZeRO-3 unit keeps ``1 / g`` of itself in the compute dtype from its
-forward to its backward (instead of nothing beyond the master's ``1 / S``), so at the peak (the first
-unit's backward) all of them are alive: ``sum(ceil(unit / g))`` elements. They are freed after each
-unit's backward, before the optimizer step.
+forward to its backward (instead of nothing beyond the master's ``1 / S``), so at the units' peak (the
+first unit's backward) all of them are alive: ``sum(ceil(unit / g))`` elements. They are freed after
+each unit's backward, so the root's backward (``MemoryEstimate.root_backward``) holds none.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ class NodeSetting:
     """``reshard_after_forward="node"``: the node-local secondary shard; see [Note: the secondary shard's memory]."""
     memory: MemoryEstimate
     secondary_bytes: int
+    hop_bytes: int
+    """Without the secondary shard: the hop across nodes' result, ``ceil(U / g)`` per gather in flight
+    (``prefetch + 1`` at the units' peak), alive until the hop inside the node is done."""
     node_bytes: float
     """Bytes each node sends to other nodes per step, shard group in two hops; see [Note: bytes out of a node]."""
     node_bytes_flat: float
@@ -63,7 +66,8 @@ class NodeSetting:
     def peak(self) -> int:
         """Bytes per GPU at the step's peak (activations not included)."""
         m = self.memory
-        return m.params + m.grads + m.optimizer + max(m.gathered + self.secondary_bytes, m.step_temp)
+        units = m.gathered + self.secondary_bytes + self.hop_bytes
+        return m.params + m.grads + m.optimizer + max(units, m.root_backward, m.step_temp)
 
     @property
     def label(self) -> str:
@@ -122,6 +126,7 @@ def _setting(model: ModelSpec, cluster: ClusterSpec, k: int, optim: bool, second
     return NodeSetting(
         nodes=k, shard_size=s, replicate_size=r, shard_optimizer=optim, secondary=secondary, memory=mem,
         secondary_bytes=_secondary_numel(model, g) * model.b_param if secondary else 0,
+        hop_bytes=(prefetch + 1) * -(-model.unit_params // g) * model.b_param if k > 1 and g > 1 and not secondary else 0,
         node_bytes=shard_two_hop + replicate, node_bytes_flat=shard_flat + replicate,
         rack_bytes=_rack_bytes(model, s, r, rack_sizes, k, optim), node_seconds=(shard_two_hop + replicate) / rate,
     )

@@ -175,14 +175,16 @@ class MemoryEstimate:
     """Unsharded buffers and gradients alive at the peak: what stays gathered, the ``prefetch + 1``
     ZeRO-3 units gathered, the unit gradient in flight (less the gradient shards for ZeRO-2, whose
     peak comes before they exist)."""
-
     step_temp: int = 0
     """The optimizer step's own temporary (foreach Adam's square root of the second moment, one per
     parameter of the slice): the step's peak, when it exceeds the backward's ``gathered``."""
+    root_backward: int = 0
+    """ZeRO-3: the root's backward, last in the step (its kept parameters, its gradient, the last unit's
+    in flight): the peak when the root (embedding, head) outweighs a few units, as with a large vocabulary."""
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + max(self.gathered, self.step_temp)
+        return self.params + self.grads + self.optimizer + max(self.gathered, self.root_backward, self.step_temp)
 
 
 @dataclass(frozen=True)
@@ -288,10 +290,9 @@ def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, pre
     parameter at once (torch's default on CUDA), with a temporary the size of the slice; torch's
     per-parameter loop (its default on CPU) allocates one parameter's at a time, left out.
     """
-    shard_numel = -(-model.num_params // shard_size)
+    shard_numel, root_backward = -(-model.num_params // shard_size), 0
     slice_numel = -(-shard_numel // replicate_size) if shard_optimizer else shard_numel
-    b_p, b_m, b_r = model.b_param, model.b_master, model.b_reduce
-    unit = model.unit_params
+    b_p, b_m, b_r, unit = model.b_param, model.b_master, model.b_reduce, model.unit_params
     # The unit's gradient while autograd builds the flat gradient: every parameter's gradient (one
     # unit in all) and their concatenation (see [Note: one split, one gradient buffer]). It arrives
     # in the compute dtype; a different reduce dtype adds a cast copy.
@@ -309,6 +310,10 @@ def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, pre
         # At the peak (a unit's backward, ``prefetch`` more gathered) those units lack their gradient shard.
         gathered_units = min(prefetch + 1, max(1, (model.num_params - model.root_params) // unit))
         working = gathered_units * (unit * b_p - -(-unit // shard_size) * b_m) + unit_grad
+        # The root's gradients and their concatenation, then the concatenation and its reduce-dtype copy.
+        root = model.root_params
+        root_grad = root * b_p + max(root * b_p, root * b_r if model.reduce_dtype != model.param_dtype else 0)
+        root_backward = kept + root_grad + (unit * b_r if overlap_grads else 0)
     else:
         # ZeRO-2: every unit stays gathered from forward into backward, so the peak is the first
         # unit's backward, before any gradient shard exists: the grads term is not there yet.
@@ -324,6 +329,7 @@ def memory(strategy: ShardingStrategy, shard_size: int, *, model: ModelSpec, pre
         optimizer=model.optimizer.states_per_param * slice_numel * b_m,
         gathered=kept + working,
         step_temp=model.optimizer.step_temporaries * slice_numel * b_m if foreach else 0,
+        root_backward=root_backward,
     )
 
 
