@@ -128,7 +128,8 @@ def test_network_between_nodes_without_racks():
     tracker = Tracker()
     comm = lambda scale: (lambda r: {"all_reduce@replicate": GroupTime(0.004 * scale, (r % 2, r % 2 + 2)),
                                      "all_gather@shard": GroupTime(0.001, (r // 2 * 2, r // 2 * 2 + 1))})
-    tracker.update(_job(comm=comm(1.0)))
+    for _ in range(V.MIN_HEALTHY):
+        tracker.update(_job(comm=comm(1.0)))
     for _ in range(2):
         active, _ = tracker.update(_job(comm=comm(1.5)))
     assert [(v.kind, v.subject, v.group) for v in active] == [("link", "the network between nodes", "all_reduce@replicate")]
@@ -136,11 +137,26 @@ def test_network_between_nodes_without_racks():
 
 def test_balanced_slowdown_against_each_ranks_baseline():
     tracker = Tracker()
-    tracker.update(_job())
+    for _ in range(V.MIN_HEALTHY):
+        tracker.update(_job())
     tracker.update(_job(step=0.030, compute={r: 0.016 for r in range(4)}))
     active, changes = tracker.update(_job(step=0.030, compute={r: 0.016 for r in range(4)}))
     assert [(v.kind, v.ranks) for v in active] == [("balanced", (0, 1, 2, 3))]
     assert "every rank computes more" in active[0].action and len(changes) == 1
+
+
+def test_no_baseline_from_fewer_than_three_healthy_reports():
+    """Two healthy reports, then the network 1.5x slower: no link verdict in the two reports a verdict
+    needs, since no baseline of MIN_HEALTHY reports exists yet (a baseline of one or two reports under
+    load gave a false "slow link" once)."""
+    tracker = Tracker()
+    comm = lambda scale: (lambda r: {"all_reduce@replicate": GroupTime(0.004 * scale, (r % 2, r % 2 + 2)),
+                                     "all_gather@shard": GroupTime(0.001, (r // 2 * 2, r // 2 * 2 + 1))})
+    for _ in range(V.MIN_HEALTHY - 1):
+        tracker.update(_job(comm=comm(1.0)))
+    assert tracker.baselines() == {}
+    for _ in range(2):  # what a verdict needs to persist, against a baseline of the 2 healthy reports
+        assert tracker.update(_job(comm=comm(1.5)))[0] == []
 
 
 def test_a_verdict_must_persist_and_a_new_one_is_logged_once():

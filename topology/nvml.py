@@ -1,4 +1,4 @@
-"""The NVML queries discovery needs, behind one injectable interface.
+"""The NVML queries discovery (and the straggler report's clocks) needs, behind one injectable interface.
 
 This is the only module that imports ``pynvml`` (from ``nvidia-ml-py``). :mod:`hybridshard.topology.probe` asks
 an :class:`NvmlSource` for raw answers and turns them into records; it never touches NVML itself, so
@@ -193,6 +193,10 @@ class NvmlSource(abc.ABC):
     def max_nvlinks(self) -> int:
         return _NVLINK_MAX_LINKS
 
+    def clock_state(self, index: int) -> dict[str, int]:
+        """``{"sm_mhz", "sm_max_mhz", "temperature_c", "reasons"}`` (clocks-event reason bits) right now."""
+        raise NvmlQueryError("clock_state", "Function Not Found")
+
 
 class PynvmlSource(NvmlSource):
     """Queries the real NVML through ``pynvml``.
@@ -348,6 +352,13 @@ class PynvmlSource(NvmlSource):
         return int(
             self._dev("common_ancestor", index_a, lambda n, h: n.nvmlDeviceGetTopologyCommonAncestor(h, handle_b))
         )
+
+    def clock_state(self, index: int) -> dict[str, int]:
+        def query(n: Any, h: Any) -> dict[str, Any]:  # the event reasons are the throttle reasons renamed (NVML 12.2)
+            reasons = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or n.nvmlDeviceGetCurrentClocksThrottleReasons
+            return {"sm_mhz": n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM), "sm_max_mhz": n.nvmlDeviceGetMaxClockInfo(h, n.NVML_CLOCK_SM),
+                    "temperature_c": n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU), "reasons": reasons(h)}
+        return {k: int(v) for k, v in self._dev("clock_state", index, query).items()}
 
 
 def words_for(num_bits: int) -> int:

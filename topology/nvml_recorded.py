@@ -23,7 +23,9 @@ record`` and served by :class:`hybridshard.topology.nvml_recorded.FakeNvml`. Any
          "nvlinks": [                            # links 0..n-1; the first link NVML refuses ends the list
            {"state": 1, "remote_pci_bus_id": "00000000:05:00.0", "remote_type": 2}, ...],
          "fabric": {"cluster_uuid": "....", "clique_id": 32766, "state": 3, "status": 0},
-         "mig_devices": ["MIG-...."]},           # UUIDs of MIG instances (empty when MIG is off)
+         "mig_devices": ["MIG-...."],            # UUIDs of MIG instances (empty when MIG is off)
+         "clocks": {"sm_mhz": 1095, "sm_max_mhz": 1980, "temperature_c": 87, "reasons": 32}},  # optional,
+                                                 # never recorded: a live reading (NvmlSource.clock_state)
         ...],
       "topology": [[null, 40, ...], ...]         # nvmlDeviceGetTopologyCommonAncestor levels
     }
@@ -169,6 +171,9 @@ class FakeNvml(NvmlSource):
 
     def mig_devices(self, index: int) -> tuple[str, ...]:
         return tuple(self._field("mig_devices", index, "mig_devices"))
+
+    def clock_state(self, index: int) -> dict[str, int]:
+        return {k: int(v) for k, v in self._field("clock_state", index, "clocks").items()}
 
     def common_ancestor(self, index_a: int, index_b: int) -> int:
         self._device("common_ancestor", index_a)

@@ -36,6 +36,7 @@ from hybridshard.ft.membership import Membership
 from hybridshard.ft.replicate import ManagedReplicate
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.engine import get_engine
+from hybridshard.runtime.faults import stragglers
 from hybridshard.runtime.trace import host_syncs
 from hybridshard.state import checkpoint
 from hybridshard.state.replicas import ReplicaDivergence
@@ -130,6 +131,7 @@ class FaultTolerance:
         self.model, self.optimizer = model, optimizer
         lighthouse = _required(lighthouse, LIGHTHOUSE_ENV, "the lighthouse's address")
         self.replica_id = _required(replica_id, REPLICA_ID_ENV, "this replica group's id")
+        stragglers.set_replica_group(self.replica_id)  # the straggler report names a slow group by it
         store_addr = os.environ.get("MASTER_ADDR", "localhost")
         if hostname is None:
             hostname = store_addr if store_addr not in ("localhost", "127.0.0.1", "::1") else socket.gethostname()

@@ -2,7 +2,8 @@
 
 * :class:`SleepyLoader`: a data loader that sleeps before each batch on one rank (a slow input pipeline);
 * :func:`throttle_cpu`: one process's CPU capped by cgroup v2's ``cpu.max`` where ``/sys/fs/cgroup`` is a
-  writable cgroup v2 hierarchy; elsewhere the documented substitute, :class:`CpuHog`: a thread in the
+  writable cgroup v2 hierarchy, by cgroup v1's ``cpu.cfs_quota_us`` where ``/sys/fs/cgroup/cpu`` is a
+  writable v1 ``cpu`` hierarchy; elsewhere the documented substitute, :class:`CpuHog`: a thread in the
   rank's own process that spins in Python for a share of every period, so it competes for the
   interpreter lock and a core (the rank's hooks and its Python work slow down; torch's kernels compete
   for the core);
@@ -78,9 +79,15 @@ def _cgroup_v2_writable(root: str) -> bool:
     return os.path.exists(os.path.join(root, "cgroup.controllers")) and os.access(root, os.W_OK)
 
 
+def _cgroup_v1_cpu(root: str) -> str | None:
+    path = os.path.join(root, "cpu")
+    return path if os.path.exists(os.path.join(path, "cpu.cfs_quota_us")) and os.access(path, os.W_OK) else None
+
+
 def throttle_cpu(pid: int, fraction: float, *, root: str = CGROUP_ROOT, name: str = "hybridshard-throttle") -> Any:
-    """Cap process ``pid`` at ``fraction`` of one CPU: a cgroup v2 child ``name`` with ``cpu.max``; returns
-    its path. Where cgroup v2 is not writable, and ``pid`` is this process, a started :class:`CpuHog`
+    """Cap process ``pid`` at ``fraction`` of one CPU: a cgroup v2 child ``name`` with ``cpu.max`` (v1: a
+    child of the ``cpu`` hierarchy with ``cpu.cfs_quota_us``); returns its path (empty once ``pid`` exits:
+    ``os.rmdir`` it). Where cgroup v2 is not writable, and ``pid`` is this process, a started :class:`CpuHog`
     taking ``1 - fraction`` (stop it to end the throttle); otherwise a ``ValueError``."""
     if not 0 < fraction <= 1:
         raise ValueError(f"throttle_cpu expects a fraction of one CPU in (0, 1], found {fraction!r}; pass e.g. 0.5")
@@ -94,10 +101,21 @@ def throttle_cpu(pid: int, fraction: float, *, root: str = CGROUP_ROOT, name: st
             f.write(f"{pid}\n")
         logger.info("process %d capped at %.0f%% of a CPU (%s/cpu.max)", pid, 100 * fraction, path)
         return path
+    v1 = _cgroup_v1_cpu(root)
+    if v1 is not None:
+        path = os.path.join(v1, name)
+        os.makedirs(path, exist_ok=True)
+        for key, value in (("cpu.cfs_period_us", 100_000), ("cpu.cfs_quota_us", int(100_000 * fraction))):
+            with open(os.path.join(path, key), "w") as f:
+                f.write(f"{value}\n")
+        with open(os.path.join(path, "cgroup.procs"), "w") as f:  # every thread of the process
+            f.write(f"{pid}\n")
+        logger.info("process %d capped at %.0f%% of a CPU (%s/cpu.cfs_quota_us)", pid, 100 * fraction, path)
+        return path
     if pid != os.getpid():
         raise ValueError(
-            f"throttle_cpu expects a writable cgroup v2 hierarchy at {root} to cap another process ({pid}), found "
-            "none; run as root on a cgroup v2 host, or call it inside that process to get a CpuHog instead")
+            f"throttle_cpu expects a writable cgroup hierarchy at {root} (v2, or v1's cpu) to cap another process "
+            f"({pid}), found none; run as root on a host with cgroups, or call it inside that process to get a CpuHog instead")
     return CpuHog(share=min(1.0, 1.0 - fraction) or 0.05).start()
 
 

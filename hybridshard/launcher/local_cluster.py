@@ -2,6 +2,7 @@
 
     launch/local-cluster --nodes 2 --procs-per-node 2 [--inter-node-bandwidth 1gbit] [--latency 200us] -- CMD...
     launch/local-cluster --nodes 4 --racks 2 --spine-rate 100mbit [--cut-spine-after 20] -- CMD...
+    launch/local-cluster --nodes 4 --racks 2 --set-rate host3=50mbit --set-rate-when 'step 40 ' -- CMD...
 
 Every host runs ``hybridshard launch --nnodes N --node-rank K --nproc-per-node M`` with the rendezvous
 on ``host0``, so CMD starts exactly as it would on a real cluster. Output is streamed line by line,
@@ -9,7 +10,8 @@ prefixed with the host name; the exit status is that of the first host that fail
 130 on Ctrl-C). The network is described in [Note: local network] and always removed, see
 [Note: cleanup] in :mod:`hybridshard.launcher.netns`. With ``--racks`` the hosts sit in racks joined by a
 spine ([Note: racks and a spine] in :mod:`hybridshard.launcher.spine`), whose counters are logged and
-which can be cut mid-job (:mod:`hybridshard.launcher.spine_run`).
+which can be cut mid-job; one host's link or the spine can be shaped down mid-job
+(:mod:`hybridshard.launcher.spine_run`).
 """
 
 from __future__ import annotations
@@ -25,15 +27,15 @@ from typing import IO, Callable, Sequence
 
 from hybridshard.launcher.netns import IFNAME, LocalNetwork, Shaping, check_rights, remove_leftovers
 from hybridshard.launcher.spine import check_racks
-from hybridshard.launcher.spine_run import SpineCut, SpineWatch
+from hybridshard.launcher.spine_run import NetWatch, RateChange, SpineCut
 from hybridshard.launcher.supervisor import TIMEOUT_EXIT, HostFault, RunState, Supervisor
 from hybridshard.launcher.runlog import default_run_dir
 from hybridshard.launcher.summary import render_summary
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["main", "ClusterOptions", "HostFault", "RunState", "SpineCut", "Supervisor", "TIMEOUT_EXIT", "free_port",
-           "run_cluster"]
+__all__ = ["main", "ClusterOptions", "HostFault", "RateChange", "RunState", "SpineCut", "Supervisor", "TIMEOUT_EXIT",
+           "free_port", "run_cluster"]
 
 _Supervisor = Supervisor  # the name hybridshard/bench/job.py uses
 
@@ -76,6 +78,8 @@ class ClusterOptions:
     """The spine's shaping: each rack's uplink, in each direction (with :attr:`racks`)."""
     spine_cut: SpineCut | None = None
     """Cut the spine once, mid-job (with :attr:`racks`)."""
+    rate_changes: tuple[RateChange, ...] = ()
+    """Shape one host's link, or the spine (with :attr:`racks`), to a rate once each, mid-job."""
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1:
@@ -93,6 +97,12 @@ class ClusterOptions:
                              "pass --racks R (the spine joins the racks)")
         if self.racks is not None:
             check_racks(self.num_nodes, self.racks)
+        for change in self.rate_changes:
+            if change.host is None and self.racks is None:
+                raise ValueError("expected --racks with --set-rate spine=RATE, found no --racks; pass --racks R")
+            if change.host is not None and change.host >= self.num_nodes:
+                raise ValueError(f"expected --set-rate host0..host{self.num_nodes - 1}, found host{change.host}; "
+                                 f"pass a host of the {self.num_nodes}")
 
 
 class _Interrupted(Exception):
@@ -141,7 +151,7 @@ def run_cluster(opts: ClusterOptions, out: IO[str] = sys.stdout, *,
         return RIGHTS_EXIT
     remove_leftovers()
     net = LocalNetwork(opts.num_nodes, opts.shaping, racks=opts.racks, spine=opts.spine)
-    watch: SpineWatch | None = None
+    watch: NetWatch | None = None
     sup = Supervisor(out, opts.fault, kill_host=lambda name: net.kill_host(next(h for h in net.hosts if h.name == name)),
                      on_line=lambda host, line: watch.on_line(host, line) if watch is not None else None)
     previous = {}
@@ -160,7 +170,8 @@ def run_cluster(opts: ClusterOptions, out: IO[str] = sys.stdout, *,
             sup.say(f"{len(net.spine.racks)} racks of {len(net.spine.racks[0].hosts)} hosts joined by a spine"
                     + (f", each rack's uplink shaped: rate {opts.spine.rate or '-'} latency {opts.spine.latency or '-'}"
                        if opts.spine.active else ""))
-            watch = SpineWatch(net, sup.say, opts.log_dir, opts.spine_cut)
+        if net.spine is not None or opts.rate_changes:
+            watch = NetWatch(net, sup.say, opts.log_dir, opts.spine_cut, opts.rate_changes)
         if on_network is not None:
             on_network(net)
         env = host_env(os.environ)
@@ -213,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run CMD as a multi-node job on this machine: one network namespace per node.",
         usage="local-cluster --nodes N --procs-per-node M [--inter-node-bandwidth RATE] [--latency DELAY] "
               "[--racks R [--spine-rate RATE] [--spine-latency DELAY] [--cut-spine-after S | --cut-spine-when REGEX]] "
-              "-- CMD...",
+              "[--set-rate hostK=RATE|spine=RATE ... (--set-rate-after S | --set-rate-when REGEX)] -- CMD...",
     )
     p.add_argument("--nodes", type=int, default=2, help="number of hosts (default 2)")
     p.add_argument("--procs-per-node", type=int, default=2, help="ranks per host (default 2)")
@@ -227,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="(with --racks) set every rack's uplink down this long after the hosts started")
     p.add_argument("--cut-spine-when", metavar="REGEX",
                    help="(with --racks) set every rack's uplink down once a line of any host's output matches REGEX")
+    p.add_argument("--set-rate", action="append", default=[], metavar="TARGET=RATE",
+                   help="shape hostK's link (hostK=RATE) or, with --racks, the spine (spine=RATE) mid-job (repeatable)")
+    p.add_argument("--set-rate-after", type=float, metavar="SECONDS",
+                   help="(with --set-rate) this long after the hosts started")
+    p.add_argument("--set-rate-when", metavar="REGEX",
+                   help="(with --set-rate) once a line of any host's output matches REGEX")
     p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop everything after this long (exit 124)")
     p.add_argument("--port", type=int, default=29500, help="rendezvous port on host0 (default 29500)")
     p.add_argument("--launch-arg", action="append", default=[], metavar="ARG",
@@ -276,6 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             racks=args.racks, spine=_spine_shaping(args.spine_rate, args.spine_latency),
             spine_cut=(None if args.cut_spine_after is None and args.cut_spine_when is None
                        else SpineCut(args.cut_spine_after, args.cut_spine_when)),
+            rate_changes=tuple(RateChange.parse(t, after_s=args.set_rate_after, when=args.set_rate_when)
+                               for t in args.set_rate),
         )
     except ValueError as exc:
         print(f"local-cluster: error: {exc}", file=sys.stderr)

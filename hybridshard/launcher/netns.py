@@ -36,11 +36,12 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
 
+from hybridshard.launcher.inject import shape_command
 from hybridshard.launcher.spine import Spine
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SUBNET", "Shaping", "HostSpec", "LocalNetwork", "NetState", "check_rights", "remove_leftovers",
+__all__ = ["RATE_RE", "SUBNET", "Shaping", "HostSpec", "LocalNetwork", "NetState", "check_rights", "remove_leftovers",
            "run_tag", "list_own_objects"]
 
 SUBNET = "10.213.7"
@@ -50,7 +51,7 @@ IFNAME = "eth0"
 ETC_NETNS = "/etc/netns"
 MAX_HOSTS = 200
 _NAME_RE = re.compile(rf"^{NAME_PREFIX}([0-9a-f]+)-")
-_RATE_RE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)$", re.IGNORECASE)
+RATE_RE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)$", re.IGNORECASE)
 _DELAY_RE = re.compile(r"^\d+(\.\d+)?(us|ms|s)$")
 _BRIDGE_RE = re.compile(r"-(br|b\d+)$")
 """The spine's (or the one) bridge ``<tag>-br`` and the rack bridges ``<tag>-b<j>``."""
@@ -80,7 +81,7 @@ class Shaping:
     """A ``tc`` time such as ``200us``: one-way delay added between two hosts."""
 
     def __post_init__(self) -> None:
-        if self.rate is not None and not _RATE_RE.match(self.rate):
+        if self.rate is not None and not RATE_RE.match(self.rate):
             raise ValueError(f"--inter-node-bandwidth {self.rate!r} is not a tc rate; expected e.g. 1gbit, 200mbit")
         if self.latency is not None and not _DELAY_RE.match(self.latency):
             raise ValueError(f"--latency {self.latency!r} is not a tc time; expected e.g. 200us, 2ms")
@@ -195,6 +196,16 @@ class LocalNetwork:
         """Shape every uplink to ``rate`` (a tc rate) from now on, while the job runs."""
         Shaping(rate=rate)  # validates
         self._spine().set_rate(rate, _run_tc)
+
+    def set_host_rate(self, host: HostSpec, rate: str) -> None:
+        """Shape ``host``'s link to ``rate`` (a tc rate) in each direction from now on, while the job runs:
+        ``tc qdisc replace`` on both ends of its veth (under ``--latency``'s netem on the bridge side)."""
+        Shaping(rate=rate)  # validates
+        tbf = ["tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
+        where = ["parent", "1:1", "handle", "10:"] if self.shaping.latency else ["root"]
+        _run_tc(["tc", "qdisc", "replace", "dev", host.veth_host, *where, *tbf], "--set-rate")
+        _run_tc(shape_command(host.netns, IFNAME, rate, burst="256kb", latency="100ms", verb="replace"), "--set-rate")
+        logger.info("%s's link now %s", host.name, rate)
 
     def cut_spine(self) -> None:
         """Set every uplink down: the racks lose each other (see [Note: racks and a spine])."""

@@ -29,23 +29,30 @@ from typing import Any
 import torch
 
 from hybridshard.runtime.faults import peers
+from hybridshard.runtime.faults.gpu_state import GpuReader, GpuState
 from hybridshard.runtime.faults.verdicts import GroupTime, RankSummary, Tracker
 from hybridshard.runtime.trace.step_timing import CLOCK, StepTimes
+from hybridshard.topology.job_nic import job_nic
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV_LOG", "ENV_ON", "ENV_STEPS", "Reporter", "at_forward", "configure", "log_path", "reporter",
-           "reset", "summarize"]
+__all__ = ["ENV_LOG", "ENV_ON", "ENV_REPLICA", "ENV_STEPS", "Reporter", "at_forward", "configure", "log_path",
+           "reporter", "reset", "set_replica_group", "summarize"]
 
 ENV_ON = "HYBRIDSHARD_STRAGGLERS"
 ENV_STEPS = "HYBRIDSHARD_STRAGGLER_STEPS"
 ENV_LOG = "HYBRIDSHARD_STRAGGLER_LOG"
+ENV_REPLICA = "HYBRIDSHARD_REPLICA_ID"
+"""The fault-tolerant replica group's id (set by ``hybridshard launch --fault-tolerant``), until
+``FaultTolerance`` tells its own (:func:`set_replica_group`)."""
 DEFAULT_STEPS = 100
 WARMUP = 2
 """Steps left out of every summary: the first forward gathers without prefetch, allocates, compiles."""
 _PREFIX = "hybridshard/slow/"
 _REPORTER: list["Reporter"] = []
 _STARTS: list[int] = [0]
+_REPLICA: list[str] = [""]
+"""The replica group ``FaultTolerance`` named (:func:`set_replica_group`); empty until then."""
 """Reporters started in this process: each one's keys are its own (every rank starts them alike)."""
 
 
@@ -82,15 +89,15 @@ def log_path() -> str | None:
 
 
 def summarize(rank: int, steps: list[StepTimes], members: dict[str, tuple[int, ...]], *, node: str = "",
-              rack: str = "", nic: str = "") -> RankSummary:
-    """One rank's report: the medians of its steps."""
+              rack: str = "", nic: str = "", gpu: GpuState | None = None, replica_group: str = "") -> RankSummary:
+    """One rank's report: the medians of its steps, and its GPU's reading (see [Note: clocks in the evidence])."""
     keys = sorted({k for t in steps for k in t.comm_s})
     comm = {}
     for key in keys:
         comm[key] = GroupTime(statistics.median(t.comm_s.get(key, 0.0) for t in steps),
                               members.get(key.split("@", 1)[1], ()))
     return RankSummary(rank, node, rack, nic, len(steps), statistics.median(t.step_s for t in steps),
-                       statistics.median(t.compute_s for t in steps), comm)
+                       statistics.median(t.compute_s for t in steps), comm, gpu, replica_group)
 
 
 class Reporter:
@@ -100,7 +107,11 @@ class Reporter:
         self.every, self.rank, self.world, self.store, self.path = every, rank, world, store, path
         self.node = os.environ.get("HYBRIDSHARD_NODE_NAME") or socket.gethostname()
         self.rack = os.environ.get("HYBRIDSHARD_NETWORK_PATH", "").strip("/")
-        self.nic = (os.environ.get("NCCL_SOCKET_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME") or "").split(",")[0]
+        found = job_nic(os.environ.get("MASTER_ADDR") or getattr(store, "host", None))  # [Note: the job's NIC]
+        self.nic, self.nic_source = found.name, found.source
+        self.replica_group = _REPLICA[0] or os.environ.get(ENV_REPLICA, "")
+        self.gpu: GpuReader | None = None
+        """CUDA ranks: their GPU in NVML, read once per report (see [Note: clocks in the evidence])."""
         self.tracker = Tracker()
         self._steps: list[StepTimes] = []
         self._last = -1
@@ -113,6 +124,8 @@ class Reporter:
 
     def at_forward(self, step: int, device: torch.device | None) -> None:
         CLOCK.at_forward(step, device)
+        if self.gpu is None and device is not None and device.type == "cuda":
+            self.gpu = GpuReader(device)
         if step == self._last:
             return
         self._last = step
@@ -125,7 +138,8 @@ class Reporter:
             self._publish(step // self.every)
 
     def _publish(self, window: int) -> None:
-        summary = summarize(self.rank, self._steps, CLOCK.members, node=self.node, rack=self.rack, nic=self.nic)
+        summary = summarize(self.rank, self._steps, CLOCK.members, node=self.node, rack=self.rack, nic=self.nic,
+                            gpu=self.gpu.read() if self.gpu else None, replica_group=self.replica_group)
         self._steps = []
         value = json.dumps({"window": window, **summary.to_json()})
         self.store.set(f"{self.prefix}{window % 2}/{self.rank}", value)
@@ -154,6 +168,10 @@ class Reporter:
         record = {"time": time.time(), "report": window, "steps": window * self.every,
                   "active": [v.to_json() for v in active], "changes": changes, "nodes": _nodes(summaries),
                   "ranks": {s.rank: [round(s.compute_s, 6), round(s.step_s, 6)] for s in summaries}}
+        if any(s.gpu for s in summaries):
+            record["gpus"] = {s.rank: s.gpu.to_json() for s in summaries if s.gpu}
+        if len({s.replica_group for s in summaries}) == 1 and summaries[0].replica_group:
+            record["replica_group"] = summaries[0].replica_group
         self.reports.append(record)
         if self.path:
             try:
@@ -207,6 +225,14 @@ def reset() -> None:
     """Stop and forget the process's reporter (the next ``configure`` starts a new one, with new keys)."""
     _REPORTER.clear()
     CLOCK.stop()
+
+
+def set_replica_group(replica_id: str) -> None:
+    """This process's fault-tolerant replica group (``FaultTolerance`` calls it): in the summaries from
+    the next report on (see [Note: slow replica groups])."""
+    _REPLICA[0] = replica_id
+    if _REPORTER:
+        _REPORTER[0].replica_group = replica_id
 
 
 def reporter() -> Reporter | None:

@@ -7,15 +7,15 @@ the step time alone: its *compute* (the step minus what it was blocked on collec
 [Note: step timing]) and, per collective kind and group, the *transfer*: the time of the group's
 member that waited least (they all finish together), the others' excess being their wait.
 
-* **rank**: its compute stands out from the other ranks' (robustly: above ``RATIO`` x their median
-  and ``Z`` scaled MADs above it); **node**: every rank of a node of two or more ranks does;
-* **link**: among the instances of one group (the shard groups of each node, the rack groups), those
-  with one node are slower than the rest, and than their own baseline, while the others are not and
-  that node computes normally: the node's link (its NIC); when every instance crosses every node,
-  none can be blamed: "the network between nodes";
-* **racks**: against each group's own earlier transfer (its baseline), every instance that crosses
-  racks is slower and none inside a rack is: the spine or the racks' uplinks;
+* **rank**: its compute stands out (``RATIO`` x the others' median, ``Z`` MADs); **node**: a node's all do;
+* **link**: against each group instance's own earlier transfer (its baseline), one node alone is
+  only in instances across nodes that got slower (a two-hop reduction's rack and across-racks groups
+  cross different nodes) and computes normally: its link (NIC); when every instance crosses every
+  node: "the network between nodes";
+* **racks**: every instance across racks got slower, those inside a rack less: the spine or uplinks;
 * **balanced**: no one stands out, and every rank's step is ``RATIO`` x its own baseline or more.
+Link and racks are relative: the slowdown named is ``RATIO`` x the others' median slowdown or more
+(load on the machine, or a collective's wait timed with its transfer on CPU, slows all alike).
 
 A verdict is *active* once the same (kind, subject) was found in ``PERSIST`` consecutive reports, and
 is logged when it becomes active or clears: once, not every report. Baselines are the medians of the
@@ -29,6 +29,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from hybridshard.runtime.faults.gpu_state import GpuState, with_gpu_evidence
+from hybridshard.runtime.faults.replica_groups import name_replica_groups
+
 __all__ = ["PERSIST", "RATIO", "GroupTime", "RankSummary", "Tracker", "Verdict", "analyse", "mad"]
 
 RATIO = 1.3
@@ -41,6 +44,8 @@ FLOOR_S = 5e-4
 PERSIST = 2
 """Consecutive reports a verdict must be found in before it is active."""
 HISTORY = 5
+MIN_HEALTHY = 3
+"""Healthy reports a baseline needs before anything is compared with it."""
 """Healthy reports a baseline is the median of."""
 
 
@@ -65,17 +70,23 @@ class RankSummary:
     step_s: float = 0.0
     compute_s: float = 0.0
     comm: Mapping[str, GroupTime] = field(default_factory=dict)
+    gpu: GpuState | None = None
+    """Its GPU's clocks, temperature and clocks-event reasons at the report's end (CUDA ranks where NVML answers)."""
+    replica_group: str = ""
+    """Its fault-tolerant replica group's id; empty without fault tolerance."""
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "node": self.node, "rack": self.rack, "nic": self.nic, "steps": self.steps,
                 "step_s": self.step_s, "compute_s": self.compute_s,
-                "comm": {k: [g.seconds, list(g.members)] for k, g in self.comm.items()}}
+                "comm": {k: [g.seconds, list(g.members)] for k, g in self.comm.items()},
+                "gpu": self.gpu.to_json() if self.gpu else None, "replica_group": self.replica_group}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "RankSummary":
         comm = {k: GroupTime(float(v[0]), tuple(int(m) for m in v[1])) for k, v in d.get("comm", {}).items()}
         return cls(int(d["rank"]), str(d["node"]), str(d.get("rack", "")), str(d.get("nic", "")),
-                   int(d.get("steps", 0)), float(d["step_s"]), float(d["compute_s"]), comm)
+                   int(d.get("steps", 0)), float(d["step_s"]), float(d["compute_s"]), comm,
+                   GpuState.from_json(d.get("gpu")), str(d.get("replica_group", "")))
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,7 @@ class Verdict:
     """One finding, with its evidence and what to do."""
 
     kind: str
-    """``"rank"``, ``"node"``, ``"link"``, ``"racks"`` or ``"balanced"``."""
+    """``"rank"``, ``"node"``, ``"link"``, ``"racks"``, ``"balanced"`` or ``"replica_group"`` (fault tolerance)."""
     subject: str
     """Who: ``"rank 3 (node1)"``, ``"node1"``, ``"node1's link (eth0)"``, ``"racks pod0/r1, pod0/r2"``."""
     group: str
@@ -96,6 +107,8 @@ class Verdict:
     action: str
     ranks: tuple[int, ...] = ()
     nodes: tuple[str, ...] = ()
+    reference: str = ""
+    """What ``reference_s`` is, ``"rest"`` or ``"baseline"``; empty: by kind (racks, balanced: the baseline)."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -103,13 +116,13 @@ class Verdict:
 
     def text(self) -> str:
         return (f"slow {self.kind}: {self.subject}: {self.group} {self.seconds * 1e3:.2f} ms a step, "
-                f"{self.ratio:.2f}x the {'baseline' if self.kind in ('racks', 'balanced') else 'rest'} "
+                f"{self.ratio:.2f}x the {self.reference or ('baseline' if self.kind in ('racks', 'balanced') else 'rest')} "
                 f"({self.reference_s * 1e3:.2f} ms); {self.action}")
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "subject": self.subject, "group": self.group, "seconds": self.seconds,
                 "reference_s": self.reference_s, "ratio": self.ratio, "action": self.action,
-                "ranks": list(self.ranks), "nodes": list(self.nodes)}
+                "ranks": list(self.ranks), "nodes": list(self.nodes), "reference": self.reference}
 
 
 def mad(values: Iterable[float]) -> float:
@@ -167,7 +180,7 @@ def analyse(summaries: list[RankSummary], baselines: Baselines | None = None) ->
         out += _racks(summaries, by_rank, baselines)
     if not out:
         out += _balanced(summaries, baselines)
-    return out
+    return with_gpu_evidence(name_replica_groups(summaries, out, baselines, _slower), summaries)
 
 
 def _compute_outliers(summaries: list[RankSummary], ranks_of: dict[str, list[int]]) -> list[Verdict]:
@@ -201,68 +214,82 @@ def _compute_outliers(summaries: list[RankSummary], ranks_of: dict[str, list[int
     return verdicts
 
 
+def _ratios(summaries, baselines) -> dict[tuple[str, tuple[int, ...]], tuple[float, float]]:
+    """Each instance with a baseline: ``(transfer, baseline)``."""
+    out = {}
+    for inst, t in transfers(summaries).items():
+        base = baselines.get(inst)
+        if base is not None:
+            out[inst] = (t, base)
+    return out
+
+
 def _links(summaries, by_rank, node_of, busy, baselines, ranks_of) -> list[Verdict]:
-    """Instances of one group compared with each other: the one node whose instances are all slower
-    than every instance without it (min of its instances above the others' median by RATIO, Z MADs)."""
-    per_key: dict[str, dict[tuple[int, ...], float]] = {}
-    for (key, members), t in transfers(summaries).items():
-        per_key.setdefault(key, {})[members] = t
-    verdicts: list[Verdict] = []
-    named: set[str] = set()
-    for key, inst in sorted(per_key.items()):
-        nodes_in = {m: {node_of.get(r, "?") for r in m} for m in inst}
-        found = []
-        for node in sorted(ranks_of):
-            with_it = [t for m, t in inst.items() if node in nodes_in[m]]
-            without = [t for m, t in inst.items() if node not in nodes_in[m]]
-            if not (with_it and without and _stands_out(min(with_it), without)[0]):
-                continue
-            # ... and they got slower than they were (a link slow from the start is the bandwidth
-            # probe's to find: hybridshard topo --bandwidth), while the others did not.
-            got_slower = {m: _slower(t, baselines.get((key, m))) for m, t in inst.items()}
-            if all(got_slower[m] for m in inst if node in nodes_in[m]) and \
-                    not any(got_slower[m] for m in inst if node not in nodes_in[m]):
-                found.append((node, statistics.median(with_it), statistics.median(without)))
-        if len(found) != 1:
-            continue  # none, or several nodes to blame: not one link
-        node, seconds, ref = found[0]
-        if node in named or any(r in busy for r in ranks_of.get(node, [])):
-            continue  # a slow node's transfers are slow because its compute is: named above
-        named.add(node)
-        nic = next((by_rank[r].nic for r in ranks_of.get(node, []) if by_rank[r].nic), "")
-        where = f"{node}'s link" + (f" ({nic})" if nic else "")
-        verdicts.append(Verdict("link", where, key, seconds, ref, seconds / ref if ref else float("inf"),
-                                f"{node} computes normally but its transfers on {key.split('@')[1]} are slow: check "
-                                f"its NIC{' ' + nic if nic else ''} (errors, speed, cable) and its switch port; "
-                                "hybridshard topo --bandwidth measures it",
-                                tuple(sorted(ranks_of.get(node, []))), (node,)))
-    return verdicts
+    """The one node every one of whose instances across nodes got slower than its baseline, by ``RATIO``
+    times what the instances without it got slower (see [Note: straggler verdicts])."""
+    rows = {inst: tb for inst, tb in _ratios(summaries, baselines).items()
+            if len({node_of.get(r, "?") for r in inst[1]}) > 1}
+    ratio = {inst: t / b if b else float("inf") for inst, (t, b) in rows.items()}
+    found = []
+    for node in sorted(ranks_of):
+        mine = [inst for inst in rows if node in {node_of.get(r, "?") for r in inst[1]}]
+        rest = [ratio[inst] for inst in rows if inst not in mine]
+        if not mine or not rest or not all(_slower(*rows[inst]) for inst in mine):
+            continue
+        # Relative to the rest: see [Note: straggler verdicts].
+        if min(ratio[inst] for inst in mine) >= RATIO * statistics.median(rest):
+            found.append((node, mine))
+    if len(found) != 1:
+        return []  # none, or several nodes to blame: not one link
+    node, mine = found[0]
+    if any(r in busy for r in ranks_of.get(node, [])):
+        return []  # a slow node's transfers are slow because its compute is: named above
+    key, members = max(mine, key=lambda inst: ratio[inst])
+    seconds = statistics.median(rows[inst][0] for inst in mine if inst[0] == key)
+    others = [t for inst, (t, _) in rows.items() if inst[0] == key and inst not in mine]
+    ref = statistics.median(others) if others else rows[(key, members)][1]
+    nic = next((by_rank[r].nic for r in ranks_of.get(node, []) if by_rank[r].nic), "")
+    where = f"{node}'s link" + (f" ({nic})" if nic else "")
+    return [Verdict("link", where, key, seconds, ref, seconds / ref if ref else float("inf"),
+                    f"{node} computes normally but its transfers are slow (every group it is in, e.g. "
+                    f"{key.split('@')[1]}): check its NIC{' ' + nic if nic else ''} (errors, speed, cable) and its "
+                    "switch port; hybridshard topo --bandwidth measures it",
+                    tuple(sorted(ranks_of.get(node, []))), (node,))]
 
 
 def _racks(summaries, by_rank, baselines) -> list[Verdict]:
-    """Every instance slower than its own baseline: across racks only (the spine), or every node."""
+    """Every instance across racks slower than its own baseline, by ``RATIO`` times what those inside a
+    rack got slower: the spine; or every instance across nodes so, against those inside a node."""
     cross_rack, in_rack, cross_node, in_node = [], [], [], []
-    for (key, members), t in transfers(summaries).items():
-        base = baselines.get((key, members))
-        if base is None or not all(r in by_rank for r in members):
+    for (key, members), (t, base) in _ratios(summaries, baselines).items():
+        if not all(r in by_rank for r in members):
             continue
         racks = {by_rank[r].rack for r in members}
         nodes = {by_rank[r].node for r in members}
-        slower = _slower(t, base)
-        (cross_rack if len(racks) > 1 and "" not in racks else in_rack).append((slower, key, t, base, members))
-        (cross_node if len(nodes) > 1 else in_node).append((slower, key, t, base, members))
+        row = (_slower(t, base), key, t, base, members)
+        (cross_rack if len(racks) > 1 and "" not in racks else in_rack).append(row)
+        (cross_node if len(nodes) > 1 else in_node).append(row)
     verdicts = []
-    if cross_rack and all(s for s, *_ in cross_rack) and in_rack and not any(s for s, *_ in in_rack):
+    if _apart(cross_rack, in_rack):
         racks = sorted({by_rank[r].rack for *_, members in cross_rack for r in members})
         verdicts.append(_level_verdict("racks", "racks " + ", ".join(racks), cross_rack,
-                                       "every hop across racks is slow and none inside a rack: check the spine "
+                                       "every hop across racks got slower, those inside a rack much less: check the spine "
                                        "(its links, congestion from other jobs) and the racks' uplinks"))
-    elif cross_node and all(s for s, *_ in cross_node) and not any(s for s, *_ in in_node):
+    elif _apart(cross_node, in_node):
         verdicts.append(_level_verdict("link", "the network between nodes", cross_node,
-                                       "every transfer between nodes is slow and none inside one: with groups "
+                                       "every transfer between nodes got slower, those inside one much less: with groups "
                                        "that span every node no one NIC can be named; hybridshard topo "
                                        "--bandwidth measures each"))
     return verdicts
+
+
+def _apart(slow: list, normal: list) -> bool:
+    """Every row of ``slow`` got slower than its baseline, by ``RATIO`` x the median of ``normal``'s slowdowns
+    or more (see [Note: straggler verdicts])."""
+    if not slow or not normal or not all(s for s, *_ in slow):
+        return False
+    normal_ratio = statistics.median(t / b for _, _, t, b, _ in normal if b)
+    return min(t / b for _, _, t, b, _ in slow) >= RATIO * normal_ratio
 
 
 def _level_verdict(kind: str, subject: str, rows: list, action: str) -> Verdict:
@@ -299,7 +326,8 @@ class Tracker:
         self._history: dict[Any, deque[float]] = {}
 
     def baselines(self) -> dict[Any, float]:
-        return {k: statistics.median(v) for k, v in self._history.items() if v}
+        # A baseline from fewer healthy reports is one noisy window: a false link verdict was seen on it.
+        return {k: statistics.median(v) for k, v in self._history.items() if len(v) >= MIN_HEALTHY}
 
     def update(self, summaries: list[RankSummary]) -> tuple[list[Verdict], list[str]]:
         """One report: the verdicts active after it, and one line per change (new, or cleared)."""
