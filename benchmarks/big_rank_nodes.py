@@ -182,6 +182,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--narrow", type=int, default=1, help="divide hidden size, heads and MLP by this (CPU runs)")
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's 1024; 16 on CPU)")
     p.add_argument("--batch", type=int, help="sequences per step (default: the shape's)")
+    p.add_argument("--vocab", type=int, help="vocabulary (default: the shape's 128256; a small one puts the peak "
+                                              "in the layers' backward instead of the root's)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                    help="compute dtype (fp32 on CPU: torch's CPU bf16 weight-gradient matmuls are very slow)")
     p.add_argument("--reduce-dtype", choices=("bf16", "fp32"), help="gradient reduction dtype (default: --dtype)")
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 torch.cuda.get_device_properties(device).total_memory)
     else:
         layers = args.layers or (s.layers if args.stand_in else 2)
-    s = dataclasses.replace(s, layers=layers, batch=args.batch or s.batch,
+    s = dataclasses.replace(s, layers=layers, batch=args.batch or s.batch, vocab=args.vocab or s.vocab,
                             seq=args.seq or (s.seq if device.type == "cuda" or args.stand_in else 16))
     store_calls = _StoreCalls()
     peers_log = logging.getLogger(peers.__name__)
