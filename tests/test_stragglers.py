@@ -6,6 +6,7 @@ report every ``EVERY`` steps, inject slowness from step ``START`` on, and read r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -195,10 +196,11 @@ _GROUPS: dict = {}
 
 
 def train(steps: int, inject: str = "", target: int = 3, factor: float = 1.0, load: bool = False,
-          executor: str | None = None) -> dict:
+          executor: str | None = None, strategy: str = "HYBRID_SHARD", micro: int = 1) -> dict:
     """Train the tiny model ``steps`` steps with the report on; from step ``START`` on, rank ``target`` is
     slowed: ``"sleep"`` (its loader sleeps ``factor`` x the median step so far), ``"hog"`` (a CPU hog
-    thread), ``"node"`` (both ranks of node1 sleep). ``load``: a CPU hog on every rank (background load)."""
+    thread), ``"node"`` (both ranks of node1 sleep). ``load``: a CPU hog on every rank (background load).
+    ``micro`` > 1: that many micro-batches a step, all but the last under ``no_sync``."""
     import torch.distributed as dist
 
     import hybridshard as hs
@@ -210,7 +212,8 @@ def train(steps: int, inject: str = "", target: int = 3, factor: float = 1.0, lo
     if not _GROUPS:
         _GROUPS["g"] = hs.init_groups()
     rank = dist.get_rank()
-    model = hs.shard(make_model(), groups=_GROUPS["g"], wrap={Block}, stragglers=True, executor=executor)
+    model = hs.shard(make_model(), strategy=strategy, groups=_GROUPS["g"], wrap={Block}, stragglers=True,
+                     executor=executor)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     first = where.step
     assert first % EVERY == 0, "each run starts on a report boundary"
@@ -224,8 +227,9 @@ def train(steps: int, inject: str = "", target: int = 3, factor: float = 1.0, lo
         started = time.perf_counter()
         tokens = next(iter(SleepyLoader([batch(i, 0, rank, 4)], seconds=delay if slow and i >= START and
                                          inject in ("sleep", "node") else 0.0)))
-        loss = lm_loss(model(tokens), tokens)
-        loss.backward()
+        for m in range(micro):
+            with hs.no_sync(model) if m < micro - 1 else contextlib.nullcontext():
+                lm_loss(model(tokens), tokens).backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - started)
@@ -277,6 +281,14 @@ def _show(results: list[dict]) -> str:
 def test_sleeping_loader_is_named_within_two_reports(pool, inject, target, kind, subject):
     results = _runs(pool, 3, inject=inject, target=target, factor=0.8)  # timing on a shared machine: 2 of 3
     assert sum(_named(r, kind, subject) for r in results) >= 2, _show(results)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD_ZERO2"])
+def test_every_strategy_with_no_sync_names_the_sleeping_rank(pool, strategy):
+    """Two micro-batches a step (the first under no_sync); rank 3's loader sleeps from step START on."""
+    results = [pool.run(train, 140, inject="sleep", target=3, factor=0.8, strategy=strategy, micro=2)[0]
+               for _ in range(2)]  # timing on a shared machine: 1 of 2
+    assert any(_named(r, "rank", "rank 3 (node1)") for r in results), _show(results)
 
 
 def test_throttled_rank_is_named(pool):
