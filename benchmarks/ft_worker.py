@@ -109,6 +109,9 @@ def main() -> None:
                         help="after --steps, go on until a step commits with this many replica groups")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds of extra work per step")
+    parser.add_argument("--sleep-from", type=int, default=0,
+                        help="the --sleep only from this process's step N (0-based) on: a replica group that "
+                             "turns slow mid-run (tests/test_ft_stragglers.py)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--ckpt", default=None, help="directory: resume from its latest checkpoint, save every --save-every")
@@ -184,7 +187,7 @@ def main() -> None:
         loss = nn.functional.mse_loss(model(x[index]), y[index])
         loss.backward()
         grad_norm = hs.clip_grad_norm_(model, args.clip)
-        if args.sleep:
+        if args.sleep and iterations > args.sleep_from:
             time.sleep(args.sleep)
         committed = ft.step()
         replicas = ft.num_replicas if committed else 0

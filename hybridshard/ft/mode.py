@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from hybridshard.ft.healing import load_shard_state, replicas_agree, shard_digest, shard_state, sync_initial_shards
 from hybridshard.ft.membership import Membership
-from hybridshard.ft.replicate import ManagedReplicate
+from hybridshard.ft.replicate import ManagedReplicate, waited
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.engine import get_engine
 from hybridshard.runtime.faults import stragglers
@@ -212,22 +212,22 @@ class FaultTolerance:
     @property
     def current_step(self) -> int:
         """Committed steps; a healed group takes the live groups' count."""
-        return self.manager.current_step()
+        return waited(self.manager.current_step)
 
     @property
     def batches_committed(self) -> int:
         """Per-group batches in the committed steps (each step adds its live groups); healed along."""
-        return self.manager.batches_committed()
+        return waited(self.manager.batches_committed)
 
     @property
     def num_replicas(self) -> int:
         """Replica groups in this step's quorum that are not healing: the gradient is their mean."""
-        return self.manager.num_participants()
+        return waited(self.manager.num_participants)
 
     @property
     def replica_rank(self) -> int | None:
         """This group's rank among them (``None`` while it heals: its gradient is not counted)."""
-        return self.manager.participating_rank()
+        return waited(self.manager.participating_rank)
 
     def batch_indices(self, batch_size: int, dataset_size: int) -> list[int]:
         """The sample indices of this group's part of the step's global batch.

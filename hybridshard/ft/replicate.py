@@ -24,6 +24,7 @@ shard stays the runtime's until it has run.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ import torch
 from hybridshard.runtime.comm import collectives as C
 from hybridshard.runtime.trace import host_syncs
 from hybridshard.runtime.trace.counters import CollectiveCounts, record
+from hybridshard.runtime.trace.step_timing import CLOCK
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,17 @@ __all__ = ["GROUP_NAME", "ManagedReplicate"]
 
 GROUP_NAME = "replicate"
 """The group name the managed all-reduce is counted under in :func:`hybridshard.comm_stats`."""
+
+
+def waited(call: Any) -> Any:
+    """``call()``, its time counted as blocked in the straggler report's step timing: torchft's quorum and
+    all-reduce waits are waits for the other replica groups, not this group's compute (a healthy group
+    beside a slow one would read as slow itself)."""
+    started = time.perf_counter()
+    try:
+        return call()
+    finally:
+        CLOCK.blocked(started)
 
 
 class _ManagedPending:
@@ -58,7 +71,7 @@ class _ManagedPending:
         if self._work is not None:
             host_syncs.count_here("Work.wait", exempt="torchft all-reduce wait")  # see [Note: counting host syncs]
             work, self._work = self._work, None
-            if work.wait() is False:
+            if waited(work.wait) is False:
                 logger.warning("a replicate all-reduce failed; this step will not commit")
 
 
@@ -74,7 +87,7 @@ class ManagedReplicate:
         """At the end of a forward (a forward hook): wait for the step's quorum here, outside backward."""
         if self.quorum_started:
             self.quorum_started = False
-            self.manager.wait_quorum()
+            waited(self.manager.wait_quorum)
 
     def all_reduce(self, shard: torch.Tensor, *, stats: CollectiveCounts | None = None,
                    async_op: bool = False) -> _ManagedPending | None:
@@ -83,7 +96,7 @@ class ManagedReplicate:
             self.manager.wait_quorum()
             work = emulated.defer_blocking("all_reduce on torchft's replica groups", self.manager.allreduce, shard)
         else:
-            work = self.manager.allreduce(shard)  # waits for the step's quorum first
+            work = waited(lambda: self.manager.allreduce(shard))  # waits for the step's quorum first
         record("all_reduce", GROUP_NAME, self.manager.num_participants(), shard, stats)
         pending = _ManagedPending(work)
         if async_op:
