@@ -167,7 +167,8 @@ def measure(name: str, s: Shape, k: int, groups, device: torch.device, dtypes: t
     del model
     row = planned_setting(s, k, name, reduce_dtype, param_dtype)
     got.update(peak_bytes=peak, planned_bytes=planned_peak(row, foreach=device.type == "cuda"),
-               secondary_planned_bytes=row.secondary_bytes, secondary_held_after_step=held)
+               secondary_planned_bytes=row.secondary_bytes, hop_planned_bytes=row.hop_bytes,
+               secondary_held_after_step=held)
     got["ratio"] = peak / got["planned_bytes"]
     return got
 

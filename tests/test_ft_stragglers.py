@@ -60,7 +60,8 @@ def _problem(reports: list[list[dict]], out: str) -> str | None:
         if any(r["replica_group"] != f"replica{replica}" for r in records):
             return f"replica group {replica}'s reports name other groups: {[r['replica_group'] for r in records]}"
         before = [r for r in records if r["steps"] <= SLOW_FROM]
-        if any(r["active"] for r in before):
+        # a balanced slowdown of a whole group is what other work starting on this machine causes
+        if any(v["kind"] != "balanced" for r in before for v in r["active"]):
             return f"replica group {replica} found a slow verdict before step {SLOW_FROM}: {_active(before)}"
     slow = [r for r in reports[1] if first_slow <= r["report"] <= first_slow + 1]
     named = [v for r in slow for v in r["active"] if v["kind"] == "replica_group"]
@@ -79,7 +80,7 @@ def _problem(reports: list[list[dict]], out: str) -> str | None:
 
 def test_a_slow_replica_group_is_named_by_its_report(tmp_path, monkeypatch):
     """2 replica groups x 2 ranks in one quorum from step 0, a report every 10 steps; from step 60
-    every rank of replica group 1 sleeps ~ a step more. No group's rank 0 writes an active verdict in
+    every rank of replica group 1 sleeps ~ a step more. No group's rank 0 writes an active verdict but a balanced slowdown in
     the reports before the sleep; group 1's second report after it (at the latest) holds the verdict
     ``replica_group`` naming replica1, also logged at WARNING. Shared machine: one more try when the
     first job fails (other work starting on it reads as every group slowing, or stalls a quorum)."""
