@@ -51,7 +51,7 @@ def _sweep_job(configs: list[RM.Config]) -> list[dict]:
 @pytest.fixture(scope="module", params=["block", "cyclic"])
 def sweep(request):
     with RankPool(WORLD, num_nodes=2, layout=request.param) as pool:
-        yield request.param, pool.run(_sweep_job, SWEEP), pool.run(_memory_job)
+        yield request.param, pool.run(_sweep_job, SWEEP), pool.run(_memory_job), pool.run(_order_job)
 
 
 @pytest.mark.parametrize("index", range(len(SWEEP)), ids=[_label(c) for c in SWEEP])
@@ -63,7 +63,7 @@ def test_parity_with_one_process(sweep, index):
 def test_two_hops_equal_the_flat_collectives_and_use_the_hops(sweep):
     """Two hops give the flat collectives' results to 1e-6; they issue their collectives on the node and
     across-nodes groups, never on the whole shard group."""
-    _, results, _ = sweep
+    results = sweep[1]
     for index, cfg in enumerate(SWEEP):
         if cfg.two_hop is not True or cfg.micro_steps > 1 or cfg.executor or cfg.checkpoint:
             continue
@@ -81,7 +81,7 @@ def test_two_hops_equal_the_flat_collectives_and_use_the_hops(sweep):
 
 def test_the_secondary_shard_gathers_backward_inside_the_node(sweep):
     """reshard_after_forward="node": backward's gathers of the resharded units run inside the node only."""
-    _, results, _ = sweep
+    results = sweep[1]
     pairs = [(4, SWEEP.index(dataclasses.replace(SWEEP[0], two_hop=True))), (len(SWEEP) - 2, len(SWEEP) - 1)]
     for node, two in pairs:  # plain, and with reentrant checkpointing (its forward runs without grad)
         for rank in range(WORLD):
@@ -131,6 +131,56 @@ def test_bytes_across_nodes_and_the_secondary_shards_memory(sweep):
         assert crossing_node < 0.75 * crossing_two, (rank, node["bytes"], two["bytes"])
         assert node["held"] == node["expected"] > 0 and two["held"] == 0, (rank, node, two)
         assert node["after"] == 0, node
+
+
+def _order_job() -> list[list[tuple]]:
+    """The forward of a second step (the first records the order prefetching follows), as a log of the
+    shard group's all-gathers (group, async) and of each unit's compute starting ("compute")."""
+    import torch.distributed as dist
+
+    import hybridshard as hs
+    from hybridshard.runtime.comm import collectives as C
+    from hybridshard.topology import groups as G
+
+    groups = hs.init_groups(shard_size=4)
+    model = RM.make_model(num_blocks=4)
+    hs.shard(model, strategy="HYBRID_SHARD", groups=groups, wrap={RM.Block})
+    log: list[tuple] = []
+    for module in (model, *model.blocks):  # after the runtime's pre-hooks: its unit is gathered by then
+        module.register_forward_pre_hook(lambda *_: log.append(("compute",)))
+    real = C.all_gather
+
+    def logged(out, tensor, group, *args, **kwargs):
+        log.append((G.group_name(group), bool(kwargs.get("async_op"))))
+        return real(out, tensor, group, *args, **kwargs)
+
+    logs = []
+    C.all_gather = logged
+    try:
+        for step in range(2):
+            log.clear()
+            tokens = RM.batch(step, 0, dist.get_rank(), 2)
+            loss = RM.lm_loss(model(tokens), tokens)
+            logs.append(list(log))
+            loss.backward()
+    finally:
+        C.all_gather = real
+    return logs
+
+
+def test_a_prefetched_gathers_hop_across_nodes_runs_behind_compute(sweep):
+    """[Note: a deferred inner hop]: on the thread executor a prefetched unit's hop across nodes is
+    issued asynchronously before the unit in front of it computes, and its hops inside the node only once
+    that compute is done; only the root's gather (waited at once) runs both hops back to back."""
+    code = {("shard_across", True): "A", ("shard_across", False): "a", ("shard_node", True): "N", ("compute",): "C"}
+    for rank, (_, forward) in enumerate(sweep[3]):
+        log = "".join(code.get(e, "?") for e in forward)  # A/a: across, async or not; N: inside; C: compute
+        assert log.count("A") + log.count("a") == 5 and log.count("C") == 5 and "?" not in log, (rank, log)
+        across = [i for i, c in enumerate(log) if c in "Aa"]  # unit u's hop across: the u-th, in issue order
+        inner = [i for i, c in enumerate(log) if c == "N"][::2]  # unit u's first hop inside the node
+        compute = [i for i, c in enumerate(log) if c == "C"]
+        for u in range(1, 5):  # each block: prefetched across before the unit in front computes, inside after
+            assert log[across[u]] == "A" and across[u] < compute[u - 1] < inner[u], (rank, u, log)
 
 
 # -- FULL_SHARD and SHARD_GRAD_OP: the whole job as one shard group over the two nodes -------------------

@@ -141,20 +141,62 @@ class _AllOf:
             p.wait()
 
 
+class _Deferred:
+    """A gather whose hop across nodes is in flight; :meth:`wait` finishes it, then issues and waits
+    for the hops inside the node. See [Note: a deferred inner hop]."""
+
+    __slots__ = ("_across", "_column", "_keep", "_inner")
+
+    def __init__(self, across: Any, column: torch.Tensor, keep: Any, inner: Any) -> None:
+        self._across, self._column, self._keep, self._inner = across, column, keep, inner
+
+    def is_completed(self) -> bool:
+        return self._inner is None
+
+    def wait(self) -> None:
+        inner, self._inner = self._inner, None
+        if inner is None:
+            return
+        if self._across is not None:
+            self._across.wait()
+        if self._keep is not None:
+            self._keep(self._column)
+        inner(self._column).wait()
+
+
+# [Note: a deferred inner hop]
+# On gloo a collective called without ``async_op`` blocks the calling thread, so a prefetched gather
+# whose hop across nodes (the slow one) ran synchronously would hold the main thread for the whole
+# transfer and hide nothing behind compute. The thread executor therefore issues only that hop when
+# the gather is issued, and the hops inside the node (over the fast local links) when the unit waits
+# for it. The main thread issues and waits for every gather in an order the model fixes, the same on
+# every rank, so the node group's calls stay in the same order everywhere. On NCCL (the stream
+# executor) nothing blocks the host: both hops are queued at issue on the all-gather stream.
+
 def gather(output: torch.Tensor, shard: torch.Tensor, group: Any, *, stats: C.CollectiveCounts | None = None,
-           async_op: bool = False) -> Any:
-    """All-gather ``shard`` into ``output`` over ``group``: a process group, or :class:`ShardHops`."""
+           async_op: bool = False, defer: bool = False) -> Any:
+    """All-gather ``shard`` into ``output`` over ``group``: a process group, or :class:`ShardHops`.
+
+    ``defer`` (with ``async_op``): the hop across nodes is left in flight and the hops inside the node
+    are issued by the returned handle's ``wait()``; see [Note: a deferred inner hop]."""
     if not isinstance(group, ShardHops):
         return C.all_gather(output, shard, group, stats=stats, async_op=async_op)
     hops, column = group.hops, group.secondary
     k, g, n = hops.racks, hops.per_rack, shard.numel()
+    rows = output.view(k, g * n)
+
+    def inner(column: torch.Tensor) -> _AllOf:
+        blocks = column.view(k, n)
+        return _AllOf([C.all_gather(rows[j], blocks[j], hops.rack, stats=stats, async_op=True) for j in range(k)])
+
     if column is None:
         column = torch.empty(k * n, dtype=shard.dtype, device=shard.device)  # blocks j' * g + p
-        C.all_gather(column, shard, hops.across, stats=stats)
+        across = C.all_gather(column, shard, hops.across, stats=stats, async_op=async_op and defer)
+        if async_op and defer:
+            return _Deferred(across, column, group.keep, inner)
         if group.keep is not None:
             group.keep(column)
-    rows, blocks = output.view(k, g * n), column.view(k, n)
-    done = _AllOf([C.all_gather(rows[j], blocks[j], hops.rack, stats=stats, async_op=True) for j in range(k)])
+    done = inner(column)
     if async_op:
         return done
     done.wait()

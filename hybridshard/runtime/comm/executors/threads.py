@@ -155,7 +155,8 @@ class ThreadExecutor(ExecutorBase):
         once ``after`` (if any) is done."""
         if after is not None:
             after.wait()
-        return two_hop.gather(output, make_input(), group, stats=stats, async_op=async_op)
+        # A multi-node shard group's inner hops wait for the unit's wait: [Note: a deferred inner hop]
+        return two_hop.gather(output, make_input(), group, stats=stats, async_op=async_op, defer=True)
 
     def submit(self, unit: Unit, full: torch.Tensor, shard: torch.Tensor,
                issue_first: Callable[[], C.Pending | None], finish: Finish) -> None:
