@@ -125,7 +125,14 @@ def test_stream_executor_issue_order_and_results(sweep, index):
         assert got["per_group"] == threads[0]["per_group"], rank
     for rank in range(WORLD):
         a, b = streams[rank], threads[rank]
-        assert a["per_group"] == b["per_group"], f"rank {rank}: the executors issued different collectives"
+        # The same collectives; on a node's hop group the thread executor issues a gather's hops inside
+        # the node when the unit waits, later than the streams do ([Note: a deferred inner hop]).
+        assert a["per_group"].keys() == b["per_group"].keys(), rank
+        for group, issues in a["per_group"].items():
+            if group.endswith("_node"):
+                assert sorted(issues) == sorted(b["per_group"][group]), f"rank {rank}: {group} differs"
+            else:
+                assert issues == b["per_group"][group], f"rank {rank}: the executors issued different collectives on {group}"
         assert a["losses"] == b["losses"], (rank, a["losses"], b["losses"])
         for key, value in b["state"].items():
             assert torch.equal(a["state"][key], value), f"rank {rank}: {key} differs between executors"
