@@ -171,7 +171,7 @@ def _order_job() -> list[list[tuple]]:
 def test_a_prefetched_gathers_hop_across_nodes_runs_behind_compute(sweep):
     """[Note: a deferred inner hop]: on the thread executor a prefetched unit's hop across nodes is
     issued asynchronously before the unit in front of it computes, and its hops inside the node only once
-    that compute is done; only the root's gather (waited at once) runs both hops back to back."""
+    that compute is done (the root, first, has no unit in front)."""
     code = {("shard_across", True): "A", ("shard_across", False): "a", ("shard_node", True): "N", ("compute",): "C"}
     for rank, (_, forward) in enumerate(sweep[3]):
         log = "".join(code.get(e, "?") for e in forward)  # A/a: across, async or not; N: inside; C: compute
